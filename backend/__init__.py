@@ -1,0 +1,1 @@
+"""Backends: the vLLM serving engine (`vllm/`) and the TransformerLens reference (`reference.py`)."""

@@ -1,0 +1,146 @@
+"""The site runtime: which lowered ops run at which site, for which tokens of the current step.
+
+Control plane, in one object per process:
+  - passes: a pass is one batch of requests sharing hook programs (a `run_with_hooks` call, say).
+    Each pass maps vLLM request ids to its rows and holds, per site, the lowered ops to run.
+  - step tokens: before each forward, every token of the step gets (pass, row, padded position),
+    from vLLM's request order and query offsets and the model's `positions` input.
+  - reads: values a site reads land in the pass's host tensors at (row, padded position).
+Sites with no op this step return at once.
+"""
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import torch
+
+from xmix_lens import kernels
+from xmix_lens.lowered import AffineWrite, LoweredOp, Read
+
+from . import adapter
+
+
+@dataclass
+class Pass:
+    pass_id: int
+    batch: int
+    padded_len: int
+    ops: dict[int, list[LoweredOp]]  # site id -> ops, in hook order
+    rows: dict[str, int] = field(default_factory=dict)  # vLLM request id -> batch row
+    pad_offsets: list[int] = field(default_factory=list)  # per row: padded pos - prompt pos
+    reads: dict[int, torch.Tensor] = field(default_factory=dict)  # read key -> host tensor
+
+
+@dataclass
+class StepTokens:
+    pass_id: torch.Tensor  # [T] long, -1 for tokens of no pass
+    row: torch.Tensor  # [T] long
+    padded_pos: torch.Tensor  # [T] long
+
+
+class SiteRuntime:
+    def __init__(self) -> None:
+        self.family: str | None = None
+        self.site_names: list[str] = []
+        self.armed: set[str] = set()
+        self.passes: dict[int, Pass] = {}
+        self.step: StepTokens | None = None
+        self._next_pass_id = 0
+
+    # --- configuration (once per engine) -------------------------------------------------------
+    def configure(self, family: str, site_names: list[str], armed: set[str]) -> None:
+        self.family, self.site_names, self.armed = family, site_names, armed
+        self.site_id = {name: i for i, name in enumerate(site_names)}
+        self.passes.clear()
+
+    # --- passes (between steps) ----------------------------------------------------------------
+    def open_pass(self, batch: int, padded_len: int, ops: dict[str, list[LoweredOp]], pad_offsets: list[int]) -> Pass:
+        unarmed = sorted(set(ops) - self.armed)
+        if unarmed:
+            raise RuntimeError(f"hook points not armed in this engine: {unarmed}")
+        p = Pass(self._next_pass_id, batch, padded_len, {self.site_id[n]: o for n, o in ops.items()},
+                 pad_offsets=list(pad_offsets))
+        self._next_pass_id += 1
+        for site_ops in p.ops.values():
+            for op in site_ops:
+                if isinstance(op, Read):
+                    lead = (batch, padded_len) if op.keeps_pos else (batch,)
+                    p.reads[op.key] = torch.zeros(*lead, *op.feature_shape, dtype=torch.float32)
+        self.passes[p.pass_id] = p
+        return p
+
+    def close_pass(self, p: Pass) -> None:
+        self.passes.pop(p.pass_id, None)
+
+    # --- per step ------------------------------------------------------------------------------
+    def begin_step(self, positions: torch.Tensor) -> None:
+        self.step = None
+        if not any(p.rows for p in self.passes.values()):
+            return
+        req_ids, query_start = adapter.step_requests()
+        if not req_ids:
+            return
+        n_tokens = positions.shape[0]
+        pass_id = torch.full((n_tokens,), -1, dtype=torch.long)
+        row = torch.zeros(n_tokens, dtype=torch.long)
+        pad = torch.zeros(n_tokens, dtype=torch.long)
+        for i, req_id in enumerate(req_ids):
+            for p in self.passes.values():
+                if req_id in p.rows:
+                    lo, hi = query_start[i], query_start[i + 1]
+                    pass_id[lo:hi] = p.pass_id
+                    row[lo:hi] = p.rows[req_id]
+                    pad[lo:hi] = p.pad_offsets[p.rows[req_id]]
+        positions = positions.to("cpu", torch.long)
+        self.step = StepTokens(pass_id.to(positions.device), row, positions + pad)
+
+    def run_site(self, x: torch.Tensor, site_id: int) -> None:
+        if self.step is None:
+            return
+        for p in self.passes.values():
+            for op in p.ops.get(site_id, ()):
+                self._run_op(x, p, op)
+
+    def _selected(self, p: Pass, positions: torch.Tensor | None) -> torch.Tensor:
+        step = self.step
+        chosen = (step.pass_id == p.pass_id) & (step.padded_pos < p.padded_len)
+        if positions is not None:
+            chosen &= positions[step.padded_pos.clamp(max=p.padded_len - 1)]
+        return chosen.nonzero().flatten()
+
+    def _run_op(self, x: torch.Tensor, p: Pass, op: LoweredOp) -> None:
+        tokens = self._selected(p, op.positions)
+        if tokens.numel() == 0:
+            return
+        flat_index = self.step.row[tokens] * p.padded_len + self.step.padded_pos[tokens]
+        impl = _TRITON if x.is_cuda else _TORCH
+        if isinstance(op, AffineWrite):
+            bias = op.bias.reshape(-1, op.bias.shape[-1]) if op.per_token_bias else op.bias[None]
+            bias_idx = flat_index if op.per_token_bias else torch.zeros_like(tokens)
+            impl.affine_write(x, tokens.int(), op.scale[None].to(x.device), torch.zeros_like(tokens).int(),
+                              bias.to(x.device), bias_idx.int(), op.U.to(x.device), op.V.to(x.device))
+            return
+        width = op.W.shape[1] if op.W is not None else x.shape[1]
+        out = torch.empty(tokens.numel(), width, dtype=torch.float32, device=x.device)
+        dest = torch.arange(tokens.numel(), dtype=torch.int32, device=x.device)
+        if op.W is None:
+            impl.gather_rows(x, tokens.int(), out, dest)
+        else:
+            impl.project_read(x, tokens.int(), op.W.to(x.device), torch.zeros(width, device=x.device), out, dest)
+        out = out.cpu()
+        if op.bias is not None:
+            out += op.bias.reshape(-1, width)[flat_index] if op.bias.dim() == 3 else op.bias
+        target = p.reads[op.key]
+        rows = self.step.row[tokens]
+        if op.keeps_pos:
+            target.view(p.batch, p.padded_len, -1)[rows, self.step.padded_pos[tokens]] = out
+        else:
+            target.view(p.batch, -1)[rows] = out
+
+
+# The GPU runs the Triton templates; the CPU engine runs their torch twins (Triton has no CPU backend).
+_TRITON = SimpleNamespace(affine_write=kernels.affine_write, gather_rows=kernels.gather_rows,
+                          project_read=kernels.project_read)
+_TORCH = SimpleNamespace(affine_write=kernels.affine_write_torch, gather_rows=kernels.gather_rows_torch,
+                         project_read=kernels.project_read_torch)
+
+RUNTIME = SiteRuntime()

@@ -1,0 +1,163 @@
+"""Where each TransformerLens hook point lives in vLLM's model classes, and how a site is put there.
+
+A site is a call `torch.ops.xmix.site(x, site_id)` that may rewrite `x` in place. Sites are put
+into a model by wrapping submodule forwards on the instance right after construction, before
+torch.compile first traces the model, so the compiled graph contains them. Only armed sites are
+installed: an unarmed hook point costs nothing, and vLLM's fused residual add + norm stays fused
+unless a residual site around it is armed.
+
+Each family is a table: (submodule path, placement, hook names). Placements:
+  "after"         sites on the module's output
+  "before"        sites on the module's first input (in place, so aliases of it see the write)
+  "norm" for vLLM's fused `norm(x, residual)`: materialise `x + residual`, run the
+                  "sum" sites on it, normalise it unfused, run the "normalized" sites on the
+                  result. Called without a residual (Llama's first layer), the sum is `x` itself.
+The table order is the order in which TransformerLens fires the hooks in one forward pass.
+"""
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from . import site_op  # noqa: F401  (registers torch.ops.xmix.site)
+
+
+def _llama_table(n_layers: int) -> list[tuple[str, str, dict[str, list[str]]]]:
+    table = [("model.embed_tokens", "after", {"out": ["hook_embed"]})]
+    for L in range(n_layers):
+        resid_in = ([f"blocks.{L - 1}.hook_resid_post"] if L > 0 else []) + [f"blocks.{L}.hook_resid_pre"]
+        table += [
+            (f"model.layers.{L}.input_layernorm", "norm",
+             {"sum": resid_in, "normalized": [f"blocks.{L}.ln1.hook_normalized"]}),
+            (f"model.layers.{L}.self_attn", "after", {"out": [f"blocks.{L}.hook_attn_out"]}),
+            (f"model.layers.{L}.post_attention_layernorm", "norm",
+             {"sum": [f"blocks.{L}.hook_resid_mid"], "normalized": [f"blocks.{L}.ln2.hook_normalized"]}),
+            (f"model.layers.{L}.mlp", "after", {"out": [f"blocks.{L}.hook_mlp_out"]}),
+        ]
+    table.append(("model.norm", "norm",
+                  {"sum": [f"blocks.{n_layers - 1}.hook_resid_post"], "normalized": ["ln_final.hook_normalized"]}))
+    return table
+
+
+def _gpt2_table(n_layers: int) -> list[tuple[str, str, dict[str, list[str]]]]:
+    table = [
+        ("transformer.wte", "after", {"out": ["hook_embed"]}),
+        ("transformer.wpe", "after", {"out": ["hook_pos_embed"]}),
+    ]
+    for L in range(n_layers):
+        block = f"transformer.h.{L}"
+        table += [
+            (block, "before", {"in": [f"blocks.{L}.hook_resid_pre"]}),
+            (f"{block}.ln_1", "norm", {"sum": [], "normalized": [f"blocks.{L}.ln1.hook_normalized"]}),
+            (f"{block}.attn", "after", {"out": [f"blocks.{L}.hook_attn_out"]}),
+            # GPT-2's block keeps `residual = hidden_states` before ln_2: the in-place write reaches it
+            (f"{block}.ln_2", "norm", {"sum": [f"blocks.{L}.hook_resid_mid"],
+                                       "normalized": [f"blocks.{L}.ln2.hook_normalized"]}),
+            (f"{block}.mlp", "after", {"out": [f"blocks.{L}.hook_mlp_out"]}),
+            (block, "after", {"out": [f"blocks.{L}.hook_resid_post"]}),
+        ]
+    table.append(("transformer.ln_f", "norm", {"sum": [], "normalized": ["ln_final.hook_normalized"]}))
+    return table
+
+
+SITE_TABLES: dict[str, Callable[[int], list]] = {"llama": _llama_table, "gpt2": _gpt2_table}
+
+
+def site_names(family: str, n_layers: int) -> list[str]:
+    """Every hook point of a family, in firing order (its index is the site id)."""
+    return [name for _, _, groups in SITE_TABLES[family](n_layers) for names in groups.values() for name in names]
+
+
+def _run_sites(x: torch.Tensor, site_ids: list[int]) -> None:
+    for site_id in site_ids:
+        torch.ops.xmix.site(x, site_id)
+
+
+def _wrap_after(module: nn.Module, site_ids: list[int]) -> None:
+    inner = module.forward
+
+    def forward(*args, **kwargs):
+        out = inner(*args, **kwargs)
+        _run_sites(out, site_ids)
+        return out
+
+    module.forward = forward
+
+
+def _wrap_before(module: nn.Module, site_ids: list[int]) -> None:
+    inner = module.forward
+
+    def forward(x, *args, **kwargs):
+        _run_sites(x, site_ids)
+        return inner(x, *args, **kwargs)
+
+    module.forward = forward
+
+
+def _normalized(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The norm of x before its weight and bias, in fp32 as vLLM's norms compute it."""
+    xf = x.float()
+    if isinstance(norm, nn.LayerNorm):
+        xf = xf - xf.mean(-1, keepdim=True)
+    eps = norm.eps if isinstance(norm, nn.LayerNorm) else norm.variance_epsilon
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _weighted(norm: nn.Module, normalized: torch.Tensor) -> torch.Tensor:
+    out = normalized * norm.weight
+    return out + norm.bias if getattr(norm, "bias", None) is not None else out
+
+
+def _wrap_norm(norm: nn.Module, sum_ids: list[int], normalized_ids: list[int]) -> None:
+    inner = norm.forward
+
+    def forward(x, residual=None):
+        resid = x if residual is None else x + residual
+        _run_sites(resid, sum_ids)
+        if normalized_ids:
+            normalized = _normalized(norm, resid)
+            _run_sites(normalized, normalized_ids)
+            out = _weighted(norm, normalized)
+        else:
+            out = inner(resid)
+        return out if residual is None else (out, resid)
+
+    norm.forward = forward
+
+
+def install_sites(model: nn.Module, family: str, n_layers: int, armed: set[str]) -> list[str]:
+    """Wrap the submodules of a freshly built vLLM model so that the armed hook points call sites.
+
+    Returns every hook point name of the family in firing order; site id = index in that list.
+    """
+    names = site_names(family, n_layers)
+    site_id = {name: i for i, name in enumerate(names)}
+
+    def armed_ids(group: list[str]) -> list[int]:
+        return [site_id[n] for n in group if n in armed]
+
+    for path, placement, groups in SITE_TABLES[family](n_layers):
+        module = model.get_submodule(path)
+        if placement == "norm":
+            sum_ids, normalized_ids = armed_ids(groups["sum"]), armed_ids(groups["normalized"])
+            if sum_ids or normalized_ids:
+                _wrap_norm(module, sum_ids, normalized_ids)
+        elif ids := armed_ids(groups.get("in", groups.get("out", []))):
+            (_wrap_before if placement == "before" else _wrap_after)(module, ids)
+    return names
+
+
+FINAL_NORM = {"llama": "model.norm", "gpt2": "transformer.ln_f"}
+
+
+def unembedding(model: nn.Module, family: str, d_vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(W_U [d_model, d_vocab], b_U [d_vocab]) that map ln_final.hook_normalized to logits, in fp32.
+
+    hook_normalized is the final norm before its weight (and bias), so they are folded in here.
+    """
+    norm = model.get_submodule(FINAL_NORM[family])
+    W = model.lm_head.weight.detach()[:d_vocab].float().T
+    w = norm.weight.detach().float()
+    b = getattr(norm, "bias", None)
+    b_U = b.detach().float() @ W if b is not None else torch.zeros(d_vocab)
+    return (w[:, None] * W).cpu().contiguous(), b_U.cpu()

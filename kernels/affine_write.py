@@ -1,0 +1,112 @@
+"""The parametric write template: an affine map plus a low-rank update, in place on chosen rows.
+
+    for i, r in enumerate(rows):
+        x[r] = x[r] * scale[scale_idx[i]] + bias[bias_idx[i]] + (x[r] @ U) @ V
+
+One template, many interventions, all of them buffer contents:
+steering (scale 1, bias v), zero ablation (scale 0, bias 0), scaling (scale s, bias 0),
+projecting out a unit direction d (scale 1, bias 0, U = d[:, None], V = -d[None, :]),
+activation patching (scale 0, bias = the patched row) and clamping a direction's coefficient
+to c (project d out, bias c * d).
+
+Contracts (shared with the torch twin):
+  x          [T, F] fp32 or bf16, rows contiguous (a row stride is allowed), written in place
+  rows       [R] int32, distinct token indices into x
+  scale      [S, F] fp32 contiguous, scale_idx [R] int32 into it (repeats welcome)
+  bias       [N, F] fp32 contiguous, bias_idx  [R] int32 into it (repeats welcome)
+  U [F, K], V [K, F] fp32 contiguous, K >= 0 (K == 0: no low-rank term)
+The math is fp32; the result is cast to x's dtype.
+"""
+
+import triton
+import triton.language as tl
+
+BLOCK_ROWS = 16  # tl.dot needs >= 16; more rows a program only slows decode steps (few rows)
+BLOCK_FEATURES = 128
+
+
+# K == 1 (one direction) is the common case, and Triton's default specialisation of arguments
+# equal to 1 made that kernel 2x slower on an H200 than K == 2: keep K a plain runtime value.
+@triton.jit(do_not_specialize=["K"])
+def affine_write_kernel(
+    x_ptr, x_row_stride, rows_ptr, R, F, K,
+    scale_ptr, scale_idx_ptr, bias_ptr, bias_idx_ptr, u_ptr, v_ptr,
+    BLOCK_ROWS: tl.constexpr, BLOCK_FEATURES: tl.constexpr, BLOCK_RANK: tl.constexpr,
+    HAS_LOW_RANK: tl.constexpr,
+):
+    # Program (i, j) owns rows[i * BLOCK_ROWS : (i + 1) * BLOCK_ROWS] and the feature blocks
+    # j, j + num_programs(1), j + 2 * num_programs(1), ...
+    entries = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    entry_mask = entries < R
+    # int64 offsets: T * F can pass 2**31 on large engine steps.
+    rows = tl.load(rows_ptr + entries, mask=entry_mask, other=0).to(tl.int64)
+    scale_rows = tl.load(scale_idx_ptr + entries, mask=entry_mask, other=0).to(tl.int64)
+    bias_rows = tl.load(bias_idx_ptr + entries, mask=entry_mask, other=0).to(tl.int64)
+    features = tl.arange(0, BLOCK_FEATURES)
+    ranks = tl.arange(0, BLOCK_RANK)
+
+    if HAS_LOW_RANK:
+        # x[r] @ U reduces over the whole row, so it must be complete before any feature of the
+        # row is overwritten. The launcher gives such a program whole rows (num_programs(1) == 1):
+        # nobody else writes them, and this program reads every feature before writing one.
+        projection = tl.zeros((BLOCK_ROWS, BLOCK_RANK), dtype=tl.float32)
+        for f0 in range(0, F, BLOCK_FEATURES):
+            cols = f0 + features
+            mask = entry_mask[:, None] & (cols < F)[None, :]
+            x_block = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0)
+            u_mask = (cols < F)[:, None] & (ranks < K)[None, :]
+            u_block = tl.load(u_ptr + cols[:, None] * K + ranks[None, :], mask=u_mask, other=0.0)
+            # ieee, not tf32: the twin's fp32 matmul is exact-ish, and projecting a direction out
+            # with 10-bit mantissas would leave a visible residue.
+            projection += tl.dot(x_block.to(tl.float32), u_block, input_precision="ieee")
+
+    for f0 in range(tl.program_id(1) * BLOCK_FEATURES, F, tl.num_programs(1) * BLOCK_FEATURES):
+        cols = f0 + features
+        mask = entry_mask[:, None] & (cols < F)[None, :]
+        x_offsets = rows[:, None] * x_row_stride + cols[None, :]
+        # Load, then widen: bf16 arithmetic (and bf16 tl.dot in the interpreter) is unreliable.
+        x_block = tl.load(x_ptr + x_offsets, mask=mask, other=0.0).to(tl.float32)
+        scale = tl.load(scale_ptr + scale_rows[:, None] * F + cols[None, :], mask=mask, other=0.0)
+        bias = tl.load(bias_ptr + bias_rows[:, None] * F + cols[None, :], mask=mask, other=0.0)
+        y = x_block * scale + bias
+        if HAS_LOW_RANK:
+            v_mask = (ranks < K)[:, None] & (cols < F)[None, :]
+            v_block = tl.load(v_ptr + ranks[:, None] * F + cols[None, :], mask=v_mask, other=0.0)
+            y += tl.dot(projection, v_block, input_precision="ieee")
+        tl.store(x_ptr + x_offsets, y.to(x_ptr.dtype.element_ty), mask=mask)
+
+
+def affine_write(x, rows, scale, scale_idx, bias, bias_idx, U, V) -> None:
+    """x[rows[i]] = x[rows[i]] * scale[scale_idx[i]] + bias[bias_idx[i]] + (x[rows[i]] @ U) @ V.
+
+    In place; rows must be distinct (a repeated row could be read after being overwritten).
+    Uniqueness is not checked here: checking would synchronise the device mid-forward.
+    """
+    T, F = x.shape
+    R, K = rows.numel(), U.shape[1]
+    assert x.stride(1) == 1, "x rows must be contiguous"
+    assert scale.shape[1] == F and bias.shape[1] == F and U.shape == (F, K) and V.shape == (K, F)
+    assert scale_idx.numel() == R and bias_idx.numel() == R
+    assert scale.is_contiguous() and bias.is_contiguous() and U.is_contiguous() and V.is_contiguous()
+    if R == 0:
+        return
+    has_low_rank = K > 0
+    # Without the low-rank term every element is read and written by one program only, so the
+    # feature axis can be split; with it, each program must own whole rows (see the kernel).
+    feature_programs = 1 if has_low_rank else triton.cdiv(F, BLOCK_FEATURES)
+    grid = (triton.cdiv(R, BLOCK_ROWS), feature_programs)
+    affine_write_kernel[grid](
+        x, x.stride(0), rows, R, F, K,
+        scale, scale_idx, bias, bias_idx, U, V,
+        BLOCK_ROWS=BLOCK_ROWS, BLOCK_FEATURES=BLOCK_FEATURES,
+        BLOCK_RANK=max(16, triton.next_power_of_2(K)), HAS_LOW_RANK=has_low_rank,
+    )
+
+
+def affine_write_torch(x, rows, scale, scale_idx, bias, bias_idx, U, V) -> None:
+    """The same write in plain torch (what the CPU engine runs)."""
+    x_rows = x[rows].float()
+    y = x_rows * scale[scale_idx] + bias[bias_idx]
+    if U.shape[1] > 0:
+        y += (x_rows @ U) @ V
+    x[rows] = y.to(x.dtype)

@@ -1,0 +1,76 @@
+"""A read that reduces on the device before the transfer: project chosen rows, keep K numbers.
+
+    for i, r in enumerate(rows):
+        out[dest[i]] = x[r] @ W + b
+
+Probe scores, per-token dot products with a direction, logit-lens-like projections: the ring
+buffer then carries K values a token instead of F.
+
+Contracts (shared with the torch twin):
+  x     [T, F] fp32 or bf16, rows contiguous (a row stride is allowed)
+  rows  [R] int32 token indices into x
+  W     [F, K] fp32 contiguous, b [K] fp32
+  out   [capacity, K] any float dtype, rows contiguous; only rows dest[:] are written
+  dest  [R] int32 slots in out, distinct
+The math is fp32; the result is cast to out's dtype.
+"""
+
+import triton
+import triton.language as tl
+
+BLOCK_ROWS = 32  # >= 16: tl.dot needs at least 16 along each side
+BLOCK_FEATURES = 128
+MAX_BLOCK_OUTPUTS = 64
+
+
+# K == 1 (one probe) is common, and Triton's default specialisation of arguments equal to 1 made
+# that kernel 3x slower on an H200 than K == 2: keep K a plain runtime value.
+@triton.jit(do_not_specialize=["K"])
+def project_read_kernel(
+    x_ptr, x_row_stride, rows_ptr, w_ptr, b_ptr, out_ptr, out_row_stride, dest_ptr, R, F, K,
+    BLOCK_ROWS: tl.constexpr, BLOCK_FEATURES: tl.constexpr, BLOCK_OUTPUTS: tl.constexpr,
+):
+    # Program (i, j) computes out[dest[rows block i], outputs block j]: a small matmul tile.
+    entries = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    outputs = tl.program_id(1) * BLOCK_OUTPUTS + tl.arange(0, BLOCK_OUTPUTS)
+    # int64 offsets: T * F can pass 2**31 on large engine steps.
+    rows = tl.load(rows_ptr + entries, mask=entries < R, other=0).to(tl.int64)
+    features = tl.arange(0, BLOCK_FEATURES)
+
+    accumulator = tl.zeros((BLOCK_ROWS, BLOCK_OUTPUTS), dtype=tl.float32)
+    for f0 in range(0, F, BLOCK_FEATURES):
+        cols = f0 + features
+        x_mask = (entries < R)[:, None] & (cols < F)[None, :]
+        x_block = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=x_mask, other=0.0)
+        w_mask = (cols < F)[:, None] & (outputs < K)[None, :]
+        w_block = tl.load(w_ptr + cols[:, None] * K + outputs[None, :], mask=w_mask, other=0.0)
+        # Widen x before the dot (bf16 tl.dot is wrong in the interpreter); ieee, not tf32, so
+        # scores match the twin's fp32 matmul rather than drifting by 1e-3 relative.
+        accumulator += tl.dot(x_block.to(tl.float32), w_block, input_precision="ieee")
+    accumulator += tl.load(b_ptr + outputs, mask=outputs < K, other=0.0)[None, :]
+
+    slots = tl.load(dest_ptr + entries, mask=entries < R, other=0).to(tl.int64)
+    out_mask = (entries < R)[:, None] & (outputs < K)[None, :]
+    tl.store(out_ptr + slots[:, None] * out_row_stride + outputs[None, :],
+             accumulator.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+def project_read(x, rows, W, b, out, dest) -> None:
+    """out[dest[i]] = x[rows[i]] @ W + b, computed in fp32, converted to out's dtype."""
+    R, (F, K) = rows.numel(), W.shape
+    assert x.shape[1] == F and b.shape == (K,) and out.shape[1] == K and dest.numel() == R
+    assert x.stride(1) == 1 and out.stride(1) == 1, "rows of x and out must be contiguous"
+    assert W.is_contiguous() and b.is_contiguous()
+    if R == 0 or K == 0:
+        return
+    block_outputs = min(MAX_BLOCK_OUTPUTS, max(16, triton.next_power_of_2(K)))
+    grid = (triton.cdiv(R, BLOCK_ROWS), triton.cdiv(K, block_outputs))
+    project_read_kernel[grid](
+        x, x.stride(0), rows, W, b, out, out.stride(0), dest, R, F, K,
+        BLOCK_ROWS=BLOCK_ROWS, BLOCK_FEATURES=BLOCK_FEATURES, BLOCK_OUTPUTS=block_outputs,
+    )
+
+
+def project_read_torch(x, rows, W, b, out, dest) -> None:
+    """The same projection in plain torch (what the CPU engine runs)."""
+    out[dest] = (x[rows].float() @ W + b).to(out.dtype)

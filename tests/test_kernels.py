@@ -1,0 +1,198 @@
+"""The Triton templates against their torch twins (interpreter, CPU), the twins against loops."""
+
+import os
+
+# Triton decides interpreter-or-compiler when a kernel is decorated, i.e. when its module is
+# imported: this must run before anything imports xmix_lens.kernels (checked below).
+os.environ["TRITON_INTERPRET"] = "1"
+
+import importlib.util
+import sys
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+from triton.runtime.interpreter import InterpretedFunction
+
+try:
+    from xmix_lens import kernels
+except ImportError:  # repository not installed: load kernels/ under its installed name
+    _folder = Path(__file__).resolve().parents[1] / "kernels"
+    _spec = importlib.util.spec_from_file_location(
+        "xmix_lens.kernels", _folder / "__init__.py", submodule_search_locations=[str(_folder)])
+    kernels = importlib.util.module_from_spec(_spec)
+    sys.modules[_spec.name] = kernels
+    _spec.loader.exec_module(kernels)
+
+from xmix_lens.kernels.affine_write import affine_write_kernel
+
+if not isinstance(affine_write_kernel, InterpretedFunction):
+    raise RuntimeError("xmix_lens.kernels was imported before TRITON_INTERPRET=1 was set; "
+                       "see tests/kernels_conftest_note.txt")
+
+SENTINEL = 12345.0
+
+
+@pytest.fixture
+def gen(request):
+    """A generator seeded differently for every test and parameter set."""
+    return torch.Generator().manual_seed(zlib.crc32(request.node.name.encode()))
+
+
+def randn(*shape, gen, dtype=torch.float32):
+    return torch.randn(*shape, generator=gen).to(dtype)
+
+
+def random_subset(n, k, gen):
+    """k distinct indices of range(n), in random order, as int32."""
+    return torch.randperm(n, generator=gen)[:k].to(torch.int32)
+
+
+def assert_matches(actual, expected):
+    """fp32: ~1e-5 relative. bf16: one bf16 ulp apart (the interpreter truncates to bf16, torch
+    rounds to nearest) plus 1e-5 of fp32 noise, which matters where terms cancel to near 0."""
+    assert actual.dtype == expected.dtype
+    if actual.dtype == torch.float32:
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+    else:
+        actual, expected = actual.float(), expected.float()
+        larger = torch.maximum(actual.abs(), expected.abs())
+        ulp = torch.ldexp(torch.ones_like(larger), torch.frexp(larger).exponent - 8)
+        excess = (actual - expected).abs() - ulp - 1e-5
+        assert (excess <= 0).all(), f"more than one bf16 ulp apart, by up to {excess.max()}"
+
+
+# --- the twins against loops that are obviously right --------------------------------------
+
+def test_affine_write_twin_matches_a_loop(gen):
+    T, F, K = 7, 5, 2
+    x = randn(T, F, gen=gen)
+    rows = torch.tensor([4, 0, 6], dtype=torch.int32)
+    scale, scale_idx = randn(2, F, gen=gen), torch.tensor([1, 0, 1], dtype=torch.int32)
+    bias, bias_idx = randn(3, F, gen=gen), torch.tensor([2, 2, 0], dtype=torch.int32)
+    U, V = randn(F, K, gen=gen), randn(K, F, gen=gen)
+
+    expected = x.clone()
+    for i, r in enumerate(rows.tolist()):
+        for f in range(F):
+            low_rank = sum(sum(x[r, g] * U[g, k] for g in range(F)) * V[k, f] for k in range(K))
+            expected[r, f] = x[r, f] * scale[scale_idx[i], f] + bias[bias_idx[i], f] + low_rank
+
+    kernels.affine_write_torch(x, rows, scale, scale_idx, bias, bias_idx, U, V)
+    torch.testing.assert_close(x, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_gather_rows_twin_matches_a_loop(gen):
+    x = randn(6, 4, gen=gen, dtype=torch.bfloat16)
+    rows, dest = torch.tensor([5, 1], dtype=torch.int32), torch.tensor([0, 3], dtype=torch.int32)
+    out = torch.full((4, 4), SENTINEL)
+    expected = out.clone()
+    for i in range(2):
+        for f in range(4):
+            expected[dest[i], f] = float(x[rows[i], f])
+
+    kernels.gather_rows_torch(x, rows, out, dest)
+    assert torch.equal(out, expected)
+
+
+def test_project_read_twin_matches_a_loop(gen):
+    F, K = 5, 3
+    x = randn(6, F, gen=gen)
+    rows, dest = torch.tensor([2, 5, 0], dtype=torch.int32), torch.tensor([3, 0, 1], dtype=torch.int32)
+    W, b = randn(F, K, gen=gen), randn(K, gen=gen)
+    out = torch.full((5, K), SENTINEL)
+    expected = out.clone()
+    for i in range(3):
+        for k in range(K):
+            expected[dest[i], k] = sum(x[rows[i], f] * W[f, k] for f in range(F)) + b[k]
+
+    kernels.project_read_torch(x, rows, W, b, out, dest)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+# --- the Triton launchers against the twins ---------------------------------------------------
+# T, R and F are not multiples of the kernels' blocks (16 or 32 rows, 128 features).
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("F, K", [(129, 3), (576, 0), (1000, 1)])
+def test_affine_write(dtype, F, K, gen):
+    T, R = 150, 77
+    x = randn(T, F, gen=gen, dtype=dtype)
+    rows = random_subset(T, R, gen)
+    scale, bias = randn(3, F, gen=gen), randn(5, F, gen=gen)
+    scale_idx = torch.randint(0, 3, (R,), generator=gen, dtype=torch.int32)
+    bias_idx = torch.randint(0, 5, (R,), generator=gen, dtype=torch.int32)
+    U, V = randn(F, K, gen=gen) / F**0.5, randn(K, F, gen=gen)
+
+    # The interpreter runs programs one after another, so a program that read a row another had
+    # already overwritten (the low-rank race) fails here deterministically.
+    expected, actual = x.clone(), x.clone()
+    kernels.affine_write_torch(expected, rows, scale, scale_idx, bias, bias_idx, U, V)
+    kernels.affine_write(actual, rows, scale, scale_idx, bias, bias_idx, U, V)
+
+    untouched = torch.ones(T, dtype=torch.bool)
+    untouched[rows.long()] = False
+    assert torch.equal(actual[untouched], x[untouched])  # bit for bit
+    assert_matches(actual[rows.long()], expected[rows.long()])
+
+
+def test_affine_write_projects_a_direction_out(gen):
+    T, F = 40, 200
+    x = randn(T, F, gen=gen)
+    d = randn(F, gen=gen)
+    d /= d.norm()
+    rows = random_subset(T, 33, gen)
+    one, zero, idx = torch.ones(1, F), torch.zeros(1, F), torch.zeros(33, dtype=torch.int32)
+
+    kernels.affine_write(x, rows, one, idx, zero, idx, d[:, None].clone(), -d[None, :].clone())
+    assert (x[rows.long()] @ d).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("x_dtype, out_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                                (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize("F", [129, 1000])
+def test_gather_rows(x_dtype, out_dtype, F, gen):
+    T, R, capacity = 150, 77, 100
+    x = randn(T, F, gen=gen, dtype=x_dtype)
+    rows, dest = random_subset(T, R, gen), random_subset(capacity, R, gen)
+    poisoned = torch.full((capacity, F), SENTINEL, dtype=out_dtype)
+
+    expected, actual = poisoned.clone(), poisoned.clone()
+    kernels.gather_rows_torch(x, rows, expected, dest)
+    kernels.gather_rows(x, rows, actual, dest)
+
+    unwritten = torch.ones(capacity, dtype=torch.bool)
+    unwritten[dest.long()] = False
+    assert torch.equal(actual[unwritten], poisoned[unwritten])
+    assert_matches(actual[dest.long()], expected[dest.long()])
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("F, K", [(129, 1), (576, 3), (1000, 100)])
+def test_project_read(x_dtype, F, K, gen):
+    T, R, capacity = 150, 77, 100
+    x = randn(T, F, gen=gen, dtype=x_dtype)
+    rows, dest = random_subset(T, R, gen), random_subset(capacity, R, gen)
+    W, b = randn(F, K, gen=gen) / F**0.5, randn(K, gen=gen)
+    poisoned = torch.full((capacity, K), SENTINEL)
+
+    expected, actual = poisoned.clone(), poisoned.clone()
+    kernels.project_read_torch(x, rows, W, b, expected, dest)
+    kernels.project_read(x, rows, W, b, actual, dest)
+
+    unwritten = torch.ones(capacity, dtype=torch.bool)
+    unwritten[dest.long()] = False
+    assert torch.equal(actual[unwritten], poisoned[unwritten])
+    assert_matches(actual[dest.long()], expected[dest.long()])
+
+
+def test_no_rows_is_a_no_op(gen):
+    x, out = randn(8, 129, gen=gen), torch.full((4, 129), SENTINEL)
+    none = torch.zeros(0, dtype=torch.int32)
+    before_x, before_out = x.clone(), out.clone()
+    kernels.affine_write(x, none, torch.ones(1, 129), none, torch.ones(1, 129), none,
+                         torch.ones(129, 2), torch.ones(2, 129))
+    kernels.gather_rows(x, none, out, none)
+    kernels.project_read(x, none, torch.ones(129, 129), torch.ones(129), out, none)
+    assert torch.equal(x, before_x) and torch.equal(out, before_out)

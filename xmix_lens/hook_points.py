@@ -1,0 +1,94 @@
+"""Hook points: TransformerLens's names and bookkeeping, for a model served by vLLM.
+
+As in TransformerLens, a `HookPoint` is one named place in the forward pass holding the functions
+added to it (`fwd_hooks`), and `hook_dict` maps every name to its HookPoint. Unlike TransformerLens
+the functions are not called by the forward pass itself: they are traced when a pass starts and run
+in the engine as lowered programs (see trace.py, lower.py).
+"""
+import difflib
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .backend.vllm.sites import site_names
+
+# TransformerLens 4.x bridge names -> the 3.x name they alias (same HookPoint)
+_ALIASES = {
+    r"blocks\.(\d+)\.hook_in": r"blocks.\1.hook_resid_pre",
+    r"blocks\.(\d+)\.hook_out": r"blocks.\1.hook_resid_post",
+    r"blocks\.(\d+)\.attn\.hook_out": r"blocks.\1.hook_attn_out",
+    r"blocks\.(\d+)\.mlp\.hook_out": r"blocks.\1.hook_mlp_out",
+    r"embed\.hook_out": "hook_embed",
+    r"pos_embed\.hook_out": "hook_pos_embed",
+    r"ln_final\.hook_out": "ln_final.hook_normalized",
+}
+
+# Hook points TransformerLens has that the served path does not offer yet, with the reason.
+_UNSUPPORTED = {
+    r"blocks\.\d+\.attn\.hook_(pattern|attn_scores)":
+        "vLLM's fused attention kernels never materialise the attention pattern or scores",
+    r"blocks\.\d+\.(attn\.hook_[qkvz]|mlp\.hook_(pre|post))":
+        "attention-internal and MLP-internal hook points are not served yet (planned)",
+}
+
+
+def canonical_name(name: str) -> str:
+    for alias, target in _ALIASES.items():
+        if re.fullmatch(alias, name):
+            return re.sub(alias, target, name)
+    return name
+
+
+@dataclass(eq=False)
+class LensHandle:
+    """A hook function added to a hook point (TransformerLens's LensHandle)."""
+
+    hook: Callable
+    is_permanent: bool = False
+
+
+@dataclass(eq=False)
+class HookPoint:
+    name: str
+    fwd_hooks: list[LensHandle] = field(default_factory=list)
+    ctx: dict = field(default_factory=dict)
+
+    def add_hook(self, hook: Callable, dir: str = "fwd", is_permanent: bool = False, prepend: bool = False) -> None:
+        if dir != "fwd":
+            raise ValueError(f"{dir!r} hooks are not supported: a serving engine runs no backward pass; "
+                             "use dir='fwd' (or run TransformerLens itself for gradients)")
+        handle = LensHandle(hook, is_permanent)
+        self.fwd_hooks.insert(0, handle) if prepend else self.fwd_hooks.append(handle)
+
+    def remove_hooks(self, dir: str = "fwd", including_permanent: bool = False) -> None:
+        self.fwd_hooks = [h for h in self.fwd_hooks if h.is_permanent and not including_permanent]
+
+    def clear_context(self) -> None:
+        self.ctx.clear()
+
+    def layer(self) -> int:
+        match = re.match(r"blocks\.(\d+)\.", self.name)
+        if match is None:
+            raise ValueError(f"{self.name} is not inside a block")
+        return int(match.group(1))
+
+    def __repr__(self) -> str:
+        return f"HookPoint({self.name!r}, {len(self.fwd_hooks)} hooks)"
+
+
+def make_hook_dict(family: str, n_layers: int) -> dict[str, HookPoint]:
+    return {name: HookPoint(name) for name in site_names(family, n_layers)}
+
+
+def resolve(hook_dict: dict[str, HookPoint], name_or_filter: str | Callable[[str], bool]) -> list[str]:
+    """Names a hook spec refers to: one (aliases accepted) or every name a filter accepts."""
+    if callable(name_or_filter):
+        return [n for n in hook_dict if name_or_filter(n)]
+    name = canonical_name(name_or_filter)
+    if name in hook_dict:
+        return [name]
+    for pattern, why in _UNSUPPORTED.items():
+        if re.fullmatch(pattern, name):
+            raise ValueError(f"hook point {name_or_filter!r} is not available in the served model: {why}")
+    near = difflib.get_close_matches(name, list(hook_dict), n=5, cutoff=0.6)
+    raise ValueError(f"unknown hook point {name_or_filter!r}; nearest valid names: {near or sorted(hook_dict)[:5]}")

@@ -1,0 +1,340 @@
+"""HookedServedModel: TransformerLens's HookedTransformer API over an in-process vLLM engine.
+
+One forward pass (`run_with_hooks`, `run_with_cache`, `model(...)`) is:
+  1. tokens, with TransformerLens's rules; each row's real tokens and its padding offset;
+  2. every hook function traced once on a proxy of its act (trace.py) and lowered (lower.py);
+  3. one engine pass: the rows are submitted as vLLM requests, the site runtime runs the lowered
+     ops at the armed sites while vLLM computes, reads come back per (row, position);
+  4. logits from the final-norm output times the unembedding, reads swapped into the tensors the
+     hook functions kept.
+"""
+import contextlib
+import os
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from . import hook_points
+from .cache import ActivationCache
+from .hook_points import HookPoint
+from .lower import lower
+from .lowered import Read
+from .models import resolve_model
+from .trace import Tracer
+
+HookFn = Callable[..., torch.Tensor | None]
+HookSpec = tuple[str | Callable[[str], bool], HookFn]
+_FINAL = "ln_final.hook_normalized"
+_LOGITS_KEY = ("logits", 0)
+
+
+@dataclass
+class HookedServedConfig:
+    n_layers: int
+    d_model: int
+    n_heads: int
+    d_head: int
+    d_vocab: int
+    n_ctx: int
+    d_mlp: int
+    n_key_value_heads: int
+    family: str
+    model_name: str
+    dtype: torch.dtype
+    default_prepend_bos: bool = True
+
+
+def _config_from_hf(hf, family: str, name: str, dtype: torch.dtype) -> HookedServedConfig:
+    if family == "gpt2":
+        n_heads, d_model = hf.n_head, hf.n_embd
+        return HookedServedConfig(hf.n_layer, d_model, n_heads, d_model // n_heads, hf.vocab_size, hf.n_positions,
+                                  hf.n_inner or 4 * d_model, n_heads, family, name, dtype)
+    n_heads, d_model = hf.num_attention_heads, hf.hidden_size
+    return HookedServedConfig(hf.num_hidden_layers, d_model, n_heads, getattr(hf, "head_dim", None) or d_model // n_heads,
+                              hf.vocab_size, hf.max_position_embeddings, hf.intermediate_size,
+                              getattr(hf, "num_key_value_heads", n_heads), family, name, dtype)
+
+
+_FAMILIES = {"LlamaForCausalLM": "llama", "GPT2LMHeadModel": "gpt2"}
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+class HookedServedModel:
+    """A vLLM-served model with TransformerLens hooks. Build it with `from_pretrained`."""
+
+    def __init__(self, llm, model_dir, cfg: HookedServedConfig, tokenizer, unembed: tuple[torch.Tensor, torch.Tensor]):
+        from .backend.vllm.runtime import RUNTIME
+
+        self.llm, self.model_dir, self.cfg, self.tokenizer = llm, model_dir, cfg, tokenizer
+        self.runtime = RUNTIME
+        # ln_final.hook_normalized -> logits, final norm weight folded in; fp32 on the host
+        self.W_U, self.b_U = unembed
+        self.hook_dict: dict[str, HookPoint] = hook_points.make_hook_dict(cfg.family, cfg.n_layers)
+        self.mod_dict = self.hook_dict
+        self._context_level = 0
+
+    # --- construction ---------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, name_or_path: str, dtype: str | torch.dtype = "float32", device: str | None = None,
+                        enforce_eager: bool = False, max_model_len: int | None = None,
+                        armed: str | Sequence[str] = "all", **engine_kwargs) -> "HookedServedModel":
+        """Build an in-process vLLM engine for a local HF folder or an embedded model's name.
+
+        `armed` is the set of hook points compiled into the engine ("all": a research engine,
+        every hook point ready without a rebuild). torch.compile stays on unless enforce_eager.
+        """
+        from transformers import AutoConfig, AutoTokenizer
+
+        torch_dtype = _DTYPES[dtype] if isinstance(dtype, str) else dtype
+        if torch_dtype not in _DTYPES.values():
+            raise ValueError(f"dtype {dtype!r} is not supported; use one of {sorted(_DTYPES)}")
+        if device not in (None, "cpu", "cuda") and not str(device).startswith("cuda"):
+            raise ValueError(f"device {device!r}: use 'cpu' or 'cuda' (vLLM picks its platform itself)")
+        model_dir = resolve_model(name_or_path)
+        hf = AutoConfig.from_pretrained(model_dir)
+        arch = (hf.architectures or ["?"])[0]
+        if arch not in _FAMILIES:
+            raise ValueError(f"architecture {arch} is not supported yet; supported: {sorted(_FAMILIES)}")
+        family = _FAMILIES[arch]
+        cfg = _config_from_hf(hf, family, str(name_or_path), torch_dtype)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        tokenizer.padding_side = "right"
+
+        from vllm import LLM
+
+        from .backend.vllm import adapter
+        from .backend.vllm.sites import unembedding
+
+        armed_names = armed if armed == "all" else [hook_points.canonical_name(n) for n in armed]
+        llm = LLM(model=str(model_dir), dtype=str(torch_dtype).removeprefix("torch."), enforce_eager=enforce_eager,
+                  max_model_len=max_model_len or min(cfg.n_ctx, 2048), skip_tokenizer_init=True,
+                  additional_config={"xmix_lens": {"armed": armed_names}}, **engine_kwargs)
+        model = adapter.bind_model_runner(llm).model
+        return cls(llm, model_dir, cfg, tokenizer, unembedding(model, family, cfg.d_vocab))
+
+    # --- tokens (TransformerLens's rules) -------------------------------------------------------
+    def _tokenize(self, input: str | list[str], prepend_bos: bool | None, padding_side: str | None):
+        prepend_bos = self.cfg.default_prepend_bos if prepend_bos is None else prepend_bos
+        texts = [input] if isinstance(input, str) else list(input)
+        rows = [self.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+        if prepend_bos:
+            rows = [[self.tokenizer.bos_token_id] + r for r in rows]
+        width = max(len(r) for r in rows)
+        side = padding_side or self.tokenizer.padding_side
+        tokens = torch.full((len(rows), width), self.tokenizer.pad_token_id, dtype=torch.long)
+        mask = torch.zeros(len(rows), width, dtype=torch.long)
+        for i, r in enumerate(rows):
+            span = slice(width - len(r), width) if side == "left" else slice(0, len(r))
+            tokens[i, span] = torch.tensor(r, dtype=torch.long)
+            mask[i, span] = 1
+        return tokens, mask
+
+    def to_tokens(self, input: str | list[str], prepend_bos: bool | None = None, padding_side: str | None = None,
+                  move_to_device: bool = True, truncate: bool = True) -> torch.Tensor:
+        tokens, _ = self._tokenize(input, prepend_bos, padding_side)
+        if truncate and tokens.shape[1] > self.cfg.n_ctx:
+            tokens = tokens[:, : self.cfg.n_ctx]
+        return tokens
+
+    def to_string(self, tokens) -> str | list[str]:
+        tokens = torch.as_tensor(tokens)
+        if tokens.dim() == 1:
+            return self.tokenizer.decode(tokens.tolist())
+        return [self.tokenizer.decode(row.tolist()) for row in tokens]
+
+    def to_str_tokens(self, input, prepend_bos: bool | None = None, padding_side: str | None = None):
+        if isinstance(input, list) and input and isinstance(input[0], str):
+            return [self.to_str_tokens(s, prepend_bos, padding_side) for s in input]
+        tokens = self.to_tokens(input, prepend_bos, padding_side)[0] if isinstance(input, str) else torch.as_tensor(input)
+        if tokens.dim() > 1:
+            if tokens.shape[0] != 1:
+                raise ValueError("to_str_tokens takes one sequence; index a batch row first")
+            tokens = tokens[0]
+        return [self.tokenizer.decode([t]) for t in tokens.tolist()]
+
+    def _rows(self, input, prepend_bos, padding_side, attention_mask):
+        """Tokens [B, P] and, per row, its real tokens and their offset in the padded layout."""
+        if isinstance(input, (str, list)) and (isinstance(input, str) or all(isinstance(s, str) for s in input)):
+            tokens, mask = self._tokenize(input, prepend_bos, padding_side)
+        else:
+            tokens = torch.as_tensor(input, dtype=torch.long)
+            tokens = tokens[None] if tokens.dim() == 1 else tokens
+            # TransformerLens treats every token of a tensor as real unless a mask is passed
+            mask = torch.ones_like(tokens) if attention_mask is None else torch.as_tensor(attention_mask)
+        if tokens.dim() != 2 or tokens.shape[1] == 0:
+            raise ValueError(f"tokens must be [batch, pos] with pos >= 1, got {list(tokens.shape)}")
+        if int(tokens.max()) >= self.cfg.d_vocab or int(tokens.min()) < 0:
+            raise ValueError(f"token ids must lie in [0, {self.cfg.d_vocab}); got {int(tokens.min())}..{int(tokens.max())}")
+        rows, offsets = [], []
+        for b in range(tokens.shape[0]):
+            real = mask[b].nonzero().flatten()
+            if real.numel() == 0 or bool((real[1:] - real[:-1] != 1).any()):
+                raise ValueError(f"row {b}: the attention mask must mark one contiguous run of real tokens")
+            rows.append(tokens[b, real].tolist())
+            offsets.append(int(real[0]))
+        return tokens, mask, rows, offsets
+
+    # --- hooks (TransformerLens's HookedRootModule bookkeeping) ---------------------------------
+    def add_hook(self, name, hook: HookFn, dir: str = "fwd", is_permanent: bool = False, prepend: bool = False) -> None:
+        for n in hook_points.resolve(self.hook_dict, name):
+            self.hook_dict[n].add_hook(hook, dir=dir, is_permanent=is_permanent, prepend=prepend)
+
+    def add_perma_hook(self, name, hook: HookFn, dir: str = "fwd") -> None:
+        self.add_hook(name, hook, dir=dir, is_permanent=True)
+
+    def remove_all_hook_fns(self, direction: str = "both", including_permanent: bool = False) -> None:
+        for hp in self.hook_dict.values():
+            hp.remove_hooks(including_permanent=including_permanent)
+
+    def reset_hooks(self, clear_contexts: bool = True, direction: str = "both", including_permanent: bool = False) -> None:
+        if clear_contexts:
+            for hp in self.hook_dict.values():
+                hp.clear_context()
+        self.remove_all_hook_fns(direction, including_permanent)
+
+    def _check_hooks(self, fwd_hooks: Iterable[HookSpec], bwd_hooks) -> list[tuple[str, HookFn]]:
+        if bwd_hooks:
+            raise ValueError("backward hooks are not supported: a serving engine runs no backward pass; "
+                             "use TransformerLens itself for gradient-based methods")
+        resolved = []
+        for spec in fwd_hooks:
+            if not (isinstance(spec, tuple) and len(spec) == 2 and callable(spec[1])):
+                raise ValueError(f"each fwd_hook is (name or filter, function); got {spec!r}")
+            resolved += [(n, spec[1]) for n in hook_points.resolve(self.hook_dict, spec[0])]
+        return resolved
+
+    @contextlib.contextmanager
+    def hooks(self, fwd_hooks: Iterable[HookSpec] = (), bwd_hooks=(), reset_hooks_end: bool = True,
+              clear_contexts: bool = False):
+        """Hooks added for the duration of the block; removed on exit, also when the block raises."""
+        resolved = self._check_hooks(fwd_hooks, bwd_hooks)
+        added = []
+        try:
+            for name, fn in resolved:
+                self.hook_dict[name].add_hook(fn)
+                added.append((name, self.hook_dict[name].fwd_hooks[-1]))
+            yield self
+        finally:
+            if reset_hooks_end:
+                for name, handle in added:
+                    if handle in self.hook_dict[name].fwd_hooks:
+                        self.hook_dict[name].fwd_hooks.remove(handle)
+                if clear_contexts:
+                    for name, _ in added:
+                        self.hook_dict[name].clear_context()
+
+    # --- forward passes ---------------------------------------------------------------------------
+    def __call__(self, input, return_type: str | None = "logits", **kwargs):
+        return self.forward(input, return_type=return_type, **kwargs)
+
+    def run_with_hooks(self, input, fwd_hooks: Iterable[HookSpec] = (), bwd_hooks=(), reset_hooks_end: bool = True,
+                       clear_contexts: bool = False, return_type: str | None = "logits", **kwargs):
+        with self.hooks(fwd_hooks, bwd_hooks, reset_hooks_end, clear_contexts):
+            return self.forward(input, return_type=return_type, **kwargs)
+
+    def run_with_cache(self, input, names_filter=None, return_type: str | None = "logits",
+                       remove_batch_dim: bool = False, return_cache_object: bool = True, **kwargs):
+        names = self._cache_names(names_filter)
+        cache: dict[str, torch.Tensor] = {}
+
+        def save(name):
+            def save_hook(act, hook):
+                cache[name] = act.detach()
+            return save_hook
+
+        with self.hooks([(n, save(n)) for n in names]):
+            out = self.forward(input, return_type=return_type, **kwargs)
+        ordered = {n: cache[n] for n in names}
+        if not return_cache_object:
+            return out, ordered
+        result = ActivationCache(ordered, self)
+        return out, result.remove_batch_dim() if remove_batch_dim else result
+
+    def _cache_names(self, names_filter) -> list[str]:
+        if names_filter is None:
+            return list(self.hook_dict)
+        if isinstance(names_filter, str):
+            return hook_points.resolve(self.hook_dict, names_filter)
+        if callable(names_filter):
+            return hook_points.resolve(self.hook_dict, names_filter)
+        wanted = {n for spec in names_filter for n in hook_points.resolve(self.hook_dict, spec)}
+        return [n for n in self.hook_dict if n in wanted]
+
+    def forward(self, input, return_type: str | None = "logits", prepend_bos: bool | None = None,
+                padding_side: str | None = None, attention_mask=None, loss_per_token: bool = False):
+        if return_type not in ("logits", "loss", "both", None):
+            raise ValueError(f"return_type {return_type!r}: use 'logits', 'loss', 'both' or None")
+        tokens, mask, rows, offsets = self._rows(input, prepend_bos, padding_side, attention_mask)
+        B, P = tokens.shape
+        if max(len(r) for r in rows) > self.llm.llm_engine.model_config.max_model_len:
+            raise ValueError(f"a row has {max(len(r) for r in rows)} tokens; this engine's max_model_len is "
+                             f"{self.llm.llm_engine.model_config.max_model_len} (from_pretrained(max_model_len=...))")
+        ops, kept = self._trace_hooks(B, P)
+        need_logits = return_type is not None
+        if need_logits:
+            ops.setdefault(_FINAL, []).append(Read(_LOGITS_KEY, None, True, None, None, (self.cfg.d_model,)))
+        reads = self._run_pass(rows, offsets, P, ops)
+        for key, proxy in kept:
+            torch.utils.swap_tensors(proxy, reads[key].to(self.cfg.dtype))
+        if not need_logits:
+            return None
+        logits = reads[_LOGITS_KEY] @ self.W_U + self.b_U
+        if return_type == "logits":
+            return logits
+        loss = _next_token_loss(logits, tokens, mask, loss_per_token)
+        return loss if return_type == "loss" else (logits, loss)
+
+    def _trace_hooks(self, B: int, P: int):
+        """Trace every hook function once for this pass; returns lowered ops per site and kept proxies."""
+        ops, kept = {}, []
+        for name, hp in self.hook_dict.items():
+            if not hp.fwd_hooks:
+                continue
+            tracer = Tracer(name, (B, P, self.cfg.d_model), self.cfg.dtype)
+            for handle in list(hp.fwd_hooks):
+                tracer.call(handle.hook, hp)
+            proxies = tracer.finish()
+            site_ops = lower(tracer.graph)
+            if site_ops:
+                ops[name] = site_ops
+            kept += [((name, key), p) for key, p in enumerate(proxies)]
+        return ops, kept
+
+    def _run_pass(self, rows: list[list[int]], offsets: list[int], P: int, ops) -> dict:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        engine = self.llm.llm_engine
+        # A fresh cache salt per pass: KV computed under this pass's writes is never reused by
+        # another pass, and every position is recomputed so that reads see all of them.
+        salt = uuid.uuid4().hex
+        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+        p = self.runtime.open_pass(len(rows), P, ops, offsets)
+        try:
+            for row, toks in enumerate(rows):
+                req_id = engine.add_request(f"xmix-{p.pass_id}-{row}", TokensPrompt(prompt_token_ids=toks, cache_salt=salt),
+                                            params)
+                p.rows[req_id] = row
+            while engine.has_unfinished_requests():
+                engine.step()
+        finally:
+            self.runtime.close_pass(p)
+        return p.reads
+
+
+def _next_token_loss(logits: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor, per_token: bool):
+    """TransformerLens's loss: mean negative log-likelihood of each next real token."""
+    log_probs = logits[:, :-1].log_softmax(-1)
+    nll = -log_probs.gather(-1, tokens[:, 1:, None])[..., 0]
+    valid = (mask[:, :-1] * mask[:, 1:]).to(nll.dtype)
+    if per_token:
+        return nll * valid
+    return (nll * valid).sum() / valid.sum()
+
+
+HookedTransformer = HookedServedModel

@@ -6,8 +6,8 @@
 One template, many interventions, all of them buffer contents:
 steering (scale 1, bias v), zero ablation (scale 0, bias 0), scaling (scale s, bias 0),
 projecting out a unit direction d (scale 1, bias 0, U = d[:, None], V = -d[None, :]),
-activation patching (scale 0, bias = the patched row) and clamping a direction's coefficient
-to c (project d out, bias c * d).
+activation patching (scale 0, bias = the patched row) and clamping (setting) a direction's
+coefficient to c (project d out, bias c * d).
 
 Contracts (shared with the torch twin):
   x          [T, F] fp32 or bf16, rows contiguous (a row stride is allowed), written in place
@@ -82,7 +82,7 @@ def affine_write(x, rows, scale, scale_idx, bias, bias_idx, U, V) -> None:
     In place; rows must be distinct (a repeated row could be read after being overwritten).
     Uniqueness is not checked here: checking would synchronise the device mid-forward.
     """
-    T, F = x.shape
+    F = x.shape[1]
     R, K = rows.numel(), U.shape[1]
     assert x.stride(1) == 1, "x rows must be contiguous"
     assert scale.shape[1] == F and bias.shape[1] == F and U.shape == (F, K) and V.shape == (K, F)

@@ -1,35 +1,17 @@
 """The Triton templates against their torch twins (interpreter, CPU), the twins against loops."""
 
-import os
-
-# Triton decides interpreter-or-compiler when a kernel is decorated, i.e. when its module is
-# imported: this must run before anything imports xmix_lens.kernels (checked below).
-os.environ["TRITON_INTERPRET"] = "1"
-
-import importlib.util
-import sys
 import zlib
-from pathlib import Path
 
 import pytest
 import torch
 from triton.runtime.interpreter import InterpretedFunction
 
-try:
-    from xmix_lens import kernels
-except ImportError:  # repository not installed: load kernels/ under its installed name
-    _folder = Path(__file__).resolve().parents[1] / "kernels"
-    _spec = importlib.util.spec_from_file_location(
-        "xmix_lens.kernels", _folder / "__init__.py", submodule_search_locations=[str(_folder)])
-    kernels = importlib.util.module_from_spec(_spec)
-    sys.modules[_spec.name] = kernels
-    _spec.loader.exec_module(kernels)
-
+from xmix_lens import kernels
 from xmix_lens.kernels.affine_write import affine_write_kernel
 
+# conftest.py sets TRITON_INTERPRET=1 before anything imports the kernels (no GPU in CI)
 if not isinstance(affine_write_kernel, InterpretedFunction):
-    raise RuntimeError("xmix_lens.kernels was imported before TRITON_INTERPRET=1 was set; "
-                       "see tests/kernels_conftest_note.txt")
+    raise RuntimeError("xmix_lens.kernels was imported before TRITON_INTERPRET=1 was set (see conftest.py)")
 
 SENTINEL = 12345.0
 

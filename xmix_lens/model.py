@@ -65,11 +65,10 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
 class HookedServedModel:
     """A vLLM-served model with TransformerLens hooks. Build it with `from_pretrained`."""
 
-    def __init__(self, llm, model_dir, cfg: HookedServedConfig, tokenizer, unembed: tuple[torch.Tensor, torch.Tensor]):
-        from .backend.vllm.runtime import RUNTIME
-
+    def __init__(self, llm, model_dir, cfg: HookedServedConfig, tokenizer, runtime,
+                 unembed: tuple[torch.Tensor, torch.Tensor]):
         self.llm, self.model_dir, self.cfg, self.tokenizer = llm, model_dir, cfg, tokenizer
-        self.runtime = RUNTIME
+        self.runtime = runtime
         # ln_final.hook_normalized -> logits, final norm weight folded in; fp32 on the host
         self.W_U, self.b_U = unembed
         self.hook_dict: dict[str, HookPoint] = hook_points.make_hook_dict(cfg.family, cfg.n_layers)
@@ -114,8 +113,10 @@ class HookedServedModel:
         llm = LLM(model=str(model_dir), dtype=str(torch_dtype).removeprefix("torch."), enforce_eager=enforce_eager,
                   max_model_len=max_model_len or min(cfg.n_ctx, 2048), skip_tokenizer_init=True,
                   additional_config={"xmix_lens": {"armed": armed_names}}, **engine_kwargs)
-        model = adapter.bind_model_runner(llm).model
-        return cls(llm, model_dir, cfg, tokenizer, unembedding(model, family, cfg.d_vocab))
+        runner = adapter.model_runner(llm)
+        runner.model.xmix_runtime.model_runner = runner
+        return cls(llm, model_dir, cfg, tokenizer, runner.model.xmix_runtime,
+                   unembedding(runner.model, family, cfg.d_vocab))
 
     # --- tokens (TransformerLens's rules) -------------------------------------------------------
     def _tokenize(self, input: str | list[str], prepend_bos: bool | None, padding_side: str | None):

@@ -100,6 +100,7 @@ class Tracer:
         self.dtype = dtype
         self.proxies: list[TracedTensor] = []
         self.version = self.graph.add("act", (), act_shape, 2)
+        self.act: TracedTensor | None = None  # the proxy handed to the hook being traced
         self.hook_label = hook_name
 
     def proxy(self, node: Node, view=None) -> TracedTensor:
@@ -114,7 +115,7 @@ class Tracer:
     def call(self, fn: Callable, hook) -> None:
         """Trace fn(act, hook=hook) on the current version of act."""
         self.hook_label = f"{getattr(fn, '__name__', fn)} on {self.graph.hook_name}"
-        act = self.proxy(self.version)
+        act = self.act = self.proxy(self.version)
         result = fn(act, hook=hook)
         if result is None or (isinstance(result, TracedTensor) and result._node is self.version):
             return
@@ -126,6 +127,7 @@ class Tracer:
     def finish(self) -> list[TracedTensor]:
         """Close the graph; returns the proxies the hook functions kept (they become reads)."""
         self.graph.output = self.version
+        self.act = None
         view_refs = Counter(id(p._view[0]) for p in self.proxies if p._view is not None)
         kept = []
         for i in range(len(self.proxies)):
@@ -234,8 +236,9 @@ class Tracer:
         return self.proxy(sel, view=(x, pos))
 
     def setitem(self, x: TracedTensor, key, value) -> None:
-        if x._view is not None or x._node is not self.version:
-            raise self.fail("assignment into a value other than the hook's act (or act[:, k])")
+        if x is not self.act:
+            raise self.fail("assignment into a value other than the hook's own act (a copy, or an "
+                            "intermediate): assign into act itself, or return the new value")
         pos = self.position_of(x._node, key)
         if pos == "newaxis":
             raise self.fail("assignment through [..., None]")
@@ -258,7 +261,7 @@ class Tracer:
             self.setitem(base, (slice(None), pos), self.proxy(value))
             x._node = self.graph.add("select_pos", (self.version, pos), value.shape, 1)
             return x
-        if x._node is not self.version:
+        if x is not self.act:
             x._node = value  # an in-place op on an intermediate value: just rebind it
             return x
         self.setitem(x, (Ellipsis,), self.proxy(value))

@@ -9,7 +9,7 @@ import torch
 from vllm.model_executor.models.gpt2 import GPT2LMHeadModel
 from vllm.model_executor.models.llama import LlamaForCausalLM
 
-from .runtime import RUNTIME
+from .runtime import SiteRuntime
 from .sites import install_sites, site_names
 
 
@@ -27,10 +27,10 @@ class _Instrumented:
         n_layers = vllm_config.model_config.hf_config.num_hidden_layers
         armed = armed_sites(vllm_config, self.family, n_layers)
         names = install_sites(self, self.family, n_layers, armed)
-        RUNTIME.configure(self.family, names, armed)
+        self.xmix_runtime = SiteRuntime(self.family, names, armed)
 
     def forward(self, input_ids, positions, *args, **kwargs):
-        RUNTIME.begin_step(positions)
+        self.xmix_runtime.begin_step(positions)
         return super().forward(input_ids, positions, *args, **kwargs)
 
 

@@ -1,6 +1,7 @@
 """The site runtime: which lowered ops run at which site, for which tokens of the current step.
 
-Control plane, in one object per process:
+Control plane, one object per engine (its model owns it; the engine whose forward is running is
+the active one, so several in-process engines can live side by side):
   - passes: a pass is one batch of requests sharing hook programs (a `run_with_hooks` call, say).
     Each pass maps vLLM request ids to its rows and holds, per site, the lowered ops to run.
   - step tokens: before each forward, every token of the step gets (pass, row, padded position),
@@ -38,19 +39,13 @@ class StepTokens:
 
 
 class SiteRuntime:
-    def __init__(self) -> None:
-        self.family: str | None = None
-        self.site_names: list[str] = []
-        self.armed: set[str] = set()
+    def __init__(self, family: str, site_names: list[str], armed: set[str]) -> None:
+        self.family, self.site_names, self.armed = family, site_names, armed
+        self.site_id = {name: i for i, name in enumerate(site_names)}
+        self.model_runner = None  # bound by the facade: where the step's request order comes from
         self.passes: dict[int, Pass] = {}
         self.step: StepTokens | None = None
         self._next_pass_id = 0
-
-    # --- configuration (once per engine) -------------------------------------------------------
-    def configure(self, family: str, site_names: list[str], armed: set[str]) -> None:
-        self.family, self.site_names, self.armed = family, site_names, armed
-        self.site_id = {name: i for i, name in enumerate(site_names)}
-        self.passes.clear()
 
     # --- passes (between steps) ----------------------------------------------------------------
     def open_pass(self, batch: int, padded_len: int, ops: dict[str, list[LoweredOp]], pad_offsets: list[int]) -> Pass:
@@ -73,10 +68,12 @@ class SiteRuntime:
 
     # --- per step ------------------------------------------------------------------------------
     def begin_step(self, positions: torch.Tensor) -> None:
+        global _active
+        _active = self
         self.step = None
         if not any(p.rows for p in self.passes.values()):
             return
-        req_ids, query_start = adapter.step_requests()
+        req_ids, query_start = adapter.step_requests(self.model_runner)
         if not req_ids:
             return
         n_tokens = positions.shape[0]
@@ -143,4 +140,9 @@ _TRITON = SimpleNamespace(affine_write=kernels.affine_write, gather_rows=kernels
 _TORCH = SimpleNamespace(affine_write=kernels.affine_write_torch, gather_rows=kernels.gather_rows_torch,
                          project_read=kernels.project_read_torch)
 
-RUNTIME = SiteRuntime()
+_active: SiteRuntime | None = None  # the runtime of the engine whose forward is running
+
+
+def run_active_site(x: torch.Tensor, site_id: int) -> None:
+    if _active is not None:
+        _active.run_site(x, site_id)

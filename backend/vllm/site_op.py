@@ -11,7 +11,7 @@ from . import runtime
 
 @torch.library.custom_op("xmix::site", mutates_args=("x",))
 def site(x: torch.Tensor, site_id: int) -> None:
-    runtime.RUNTIME.run_site(x, site_id)
+    runtime.run_active_site(x, site_id)
 
 
 @site.register_fake

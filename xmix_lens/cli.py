@@ -1,0 +1,81 @@
+"""The `xmix-lens` command. `xmix-lens demo` runs TransformerLens-style hooks on SmolLM2 in vLLM."""
+import argparse
+import time
+
+import torch
+
+POSITIVE = ["I love this, it is wonderful", "What a happy, joyful day", "This is great and I am glad",
+            "She smiled with delight"]
+NEGATIVE = ["I hate this, it is awful", "What a sad, miserable day", "This is terrible and I am upset",
+            "She frowned with disgust"]
+
+
+def top_tokens(model, logits: torch.Tensor, k: int = 5) -> str:
+    p, ids = logits.softmax(-1).topk(k)
+    return ", ".join(f"{model.tokenizer.decode([i])!r} {q:.2f}" for q, i in zip(p.tolist(), ids.tolist()))
+
+
+def demo(args) -> None:
+    from . import HookedTransformer
+
+    t0 = time.time()
+    model = HookedTransformer.from_pretrained(args.model, enforce_eager=args.eager, max_model_len=256)
+    print(f"\nloaded {args.model} in vLLM ({'eager' if args.eager else 'torch.compile'}) in {time.time() - t0:.0f} s: "
+          f"{model.cfg.n_layers} layers, d_model {model.cfg.d_model}, {len(model.hook_dict)} hook points armed")
+
+    prompt = "The capital of France is"
+    logits = model(prompt)
+    print(f"\n{prompt!r} -> next token: {top_tokens(model, logits[0, -1])}")
+
+    layer = args.layer
+    name = f"blocks.{layer}.hook_resid_post"
+    # a steering direction from the model's own activations: mean difference of two prompt sets
+    _, pos = model.run_with_cache(POSITIVE, names_filter=name, padding_side="left")
+    _, neg = model.run_with_cache(NEGATIVE, names_filter=name, padding_side="left")
+    direction = pos[name][:, -1].mean(0) - neg[name][:, -1].mean(0)
+    print(f"\nsteering direction at {name}: norm {direction.norm():.1f} (mean last-token difference)")
+
+    neutral = "Today I feel"
+    words = [" happy", " sad"]
+    ids = [model.tokenizer(w, add_special_tokens=False)["input_ids"][0] for w in words]
+    print(f"{neutral!r}, log-probabilities of the next token:")
+    for scale in (0.0, args.scale, -args.scale):
+        def steer(act, hook, scale=scale):
+            return act + scale * direction
+
+        logits = model.run_with_hooks(neutral, fwd_hooks=[(name, steer)])[0, -1]
+        logp = logits.log_softmax(-1)
+        shown = "  ".join(f"{w!r} {logp[i]:6.2f}" for w, i in zip(words, ids))
+        print(f"  act + {scale:+.2f} * direction: {shown}   top: {top_tokens(model, logits, 3)}")
+
+    unit = direction / direction.norm()
+
+    def remove(act, hook):
+        return act - (act @ unit)[..., None] * unit
+
+    kept = {}
+
+    def read_after(act, hook):
+        kept["coef"] = act @ unit
+
+    model.run_with_hooks(POSITIVE, fwd_hooks=[(name, remove), (name, read_after)], padding_side="left")
+    print(f"\nafter projecting the direction out at {name}, its largest remaining coefficient: "
+          f"{kept['coef'].abs().max():.2e}")
+    print("\nEvery hook above was traced once, lowered to the affine-write / read templates, and run inside "
+          "vLLM's compiled forward.")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="xmix-lens", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    d = sub.add_parser("demo", help="hooks on SmolLM2-135M inside vLLM")
+    d.add_argument("--model", default="smollm2-135m", help="embedded model name or a local HF folder")
+    d.add_argument("--layer", type=int, default=12)
+    d.add_argument("--scale", type=float, default=0.5)
+    d.add_argument("--eager", action="store_true", help="vLLM enforce_eager (faster start, slower runs)")
+    args = parser.parse_args(argv)
+    demo(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -26,7 +26,7 @@ demo: $(STAMP)
 	$(BIN)/xmix-lens demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:warnings
+	$(BIN)/pytest -q -p no:warnings
 
 clean-venv:
 	rm -rf $(VENV)

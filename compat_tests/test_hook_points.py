@@ -8,8 +8,9 @@ every write must move the logits by far more than that tolerance.
 import pytest
 import torch
 
+from compare import PROMPTS, cache_bound, direction, max_diff, real_mask, tolerance  # noqa: F401 (fixture)
+
 MODELS = ["tiny-llama", "tiny-gpt2", "smollm2"]
-PROMPTS = ["The capital of France is", "Hello", "One two three four five six seven"]
 POINTS = ["hook_embed", "blocks.0.hook_resid_pre", "blocks.1.hook_attn_out", "blocks.0.hook_resid_mid",
           "blocks.0.hook_mlp_out", "blocks.1.hook_resid_post", "ln_final.hook_normalized"]
 # Fixed upper bounds on the unhooked xmix-vs-TL logit difference (fp32), a few times what was
@@ -17,41 +18,10 @@ POINTS = ["hook_embed", "blocks.0.hook_resid_pre", "blocks.1.hook_attn_out", "bl
 UNHOOKED_BOUND = {"tiny-llama": 5e-5, "tiny-gpt2": 5e-5, "smollm2": 1e-3}
 
 
-def real_mask(reference, tokens, padding_side):
-    return reference.attention_mask(tokens, padding_side=padding_side).bool()
-
-
-def max_diff(a, b, mask):
-    return float((a - b).abs()[mask].max())
-
-
-@pytest.fixture(scope="module")
-def tolerance(served, reference):
-    """Per model: 50x the unhooked difference measured now (fp32 sums reorder differently in vLLM and
-    HF; large steering vectors push activations where that shows more), with a floor."""
-    cache = {}
-
-    def get(model):
-        if model not in cache:
-            tokens = served[model].to_tokens(PROMPTS)
-            mask = real_mask(reference[model], tokens, "right")
-            unhooked = max_diff(served[model](tokens), reference[model].run_with_hooks(tokens), mask)
-            cache[model] = (unhooked, max(50 * unhooked, 1e-4))
-        return cache[model]
-
-    return get
-
-
 @pytest.mark.parametrize("model", MODELS)
 def test_unhooked_logits_match(model, tolerance):
     unhooked, _ = tolerance(model)
     assert unhooked < UNHOOKED_BOUND[model]
-
-
-def direction(d_model, seed):
-    g = torch.Generator().manual_seed(seed)
-    v = torch.randn(d_model, generator=g)
-    return v / v.norm()
 
 
 def writes(point, d_model, padding_side):
@@ -103,10 +73,7 @@ def test_cache_matches_transformer_lens(model, padding_side, served, reference, 
     _, theirs = tl.run_with_cache(PROMPTS, names_filter=list(ours.keys()), padding_side=padding_side)
     assert set(ours.keys()) >= set(POINTS)
     for name, value in ours.items():
-        ref = theirs[name]
-        scale = float(ref[mask].abs().max())
-        # residual streams of SmolLM2 reach hundreds: compare relative to each activation's scale
-        assert max_diff(value, ref, mask) <= 1e-5 * max(scale, 1.0) * 10 + tolerance(model)[1], name
+        assert max_diff(value, theirs[name], mask) <= cache_bound(theirs[name], mask, tolerance(model)[1]), name
 
 
 @pytest.mark.parametrize("model", MODELS)

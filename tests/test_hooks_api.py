@@ -129,9 +129,10 @@ def test_cache_hook_names_in_firing_order(model):
     _, cache = model.run_with_cache(PROMPT)
     expected = ["hook_embed"]
     for L in range(model.cfg.n_layers):
-        expected += [f"blocks.{L}.{n}" for n in ("hook_resid_pre", "ln1.hook_normalized", "hook_attn_out",
-                                                  "hook_resid_mid", "ln2.hook_normalized", "hook_mlp_out",
-                                                  "hook_resid_post")]
+        expected += [f"blocks.{L}.{n}" for n in ("hook_resid_pre", "ln1.hook_normalized", "attn.hook_q",
+                                                  "attn.hook_k", "attn.hook_v", "attn.hook_z", "hook_attn_out",
+                                                  "hook_resid_mid", "ln2.hook_normalized", "mlp.hook_pre",
+                                                  "mlp.hook_post", "hook_mlp_out", "hook_resid_post")]
     expected.append("ln_final.hook_normalized")
     assert list(cache.keys()) == expected
 
@@ -147,6 +148,11 @@ def test_cache_indexing_and_filters(model):
     # the residual stream adds up: resid_mid = resid_pre + attn_out (read at the same pass)
     _, full = model.run_with_cache(tokens)
     assert torch.allclose(full["resid_mid", 0], full["resid_pre", 0] + full["attn_out", 0], atol=1e-5)
+    # TransformerLens's short names of the attention- and MLP-internal points, with their shapes
+    heads = (model.cfg.n_heads, model.cfg.d_head)
+    assert full["z", 0].shape == tokens.shape + heads and torch.equal(full["q", 1], full["blocks.1.attn.hook_q"])
+    assert full["k", 0].shape == full["v", 0].shape == tokens.shape + (model.cfg.n_key_value_heads, model.cfg.d_head)
+    assert full["pre", 0].shape == full["post", 0].shape == tokens.shape + (model.cfg.d_mlp,)
     # an alias (TransformerLens 4.x name) reads the same hook point
     _, alias = model.run_with_cache(tokens, names_filter=["blocks.1.hook_out"])
     assert torch.equal(alias["blocks.1.hook_resid_post"], cache["blocks.1.hook_resid_post"])

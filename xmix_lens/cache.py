@@ -11,6 +11,12 @@ _SHORT = {
     "attn_out": "blocks.{L}.hook_attn_out",
     "mlp_out": "blocks.{L}.hook_mlp_out",
     "normalized": "blocks.{L}.{S}.hook_normalized",
+    "q": "blocks.{L}.attn.hook_q",
+    "k": "blocks.{L}.attn.hook_k",
+    "v": "blocks.{L}.attn.hook_v",
+    "z": "blocks.{L}.attn.hook_z",
+    "pre": "blocks.{L}.mlp.hook_pre",
+    "post": "blocks.{L}.mlp.hook_post",
 }
 
 

@@ -21,14 +21,15 @@ _ALIASES = {
     r"embed\.hook_out": "hook_embed",
     r"pos_embed\.hook_out": "hook_pos_embed",
     r"ln_final\.hook_out": "ln_final.hook_normalized",
+    r"blocks\.(\d+)\.attn\.([qkv])\.hook_out": r"blocks.\1.attn.hook_\2",
+    r"blocks\.(\d+)\.attn\.o\.hook_in": r"blocks.\1.attn.hook_z",
+    r"blocks\.(\d+)\.mlp\.out\.hook_in": r"blocks.\1.mlp.hook_post",
 }
 
 # Hook points TransformerLens has that the served path does not offer yet, with the reason.
 _UNSUPPORTED = {
     r"blocks\.\d+\.attn\.hook_(pattern|attn_scores)":
         "vLLM's fused attention kernels never materialise the attention pattern or scores",
-    r"blocks\.\d+\.(attn\.hook_[qkvz]|mlp\.hook_(pre|post))":
-        "attention-internal and MLP-internal hook points are not served yet (planned)",
 }
 
 

@@ -2,24 +2,45 @@
 
 A `Graph` holds the nodes of the hooks traced at one hook point for one pass, in program order.
 Every value has TransformerLens's padded layout: `token_dims` leading dims are tokens
-([batch, pos] = 2, or [batch] = 1 after a position was selected), then the feature dims.
-`act` versions: each write makes a new version of the activation; reads name the node whose
-value they want. The graph prints like torch.fx and evaluates in plain torch (`evaluate`),
-which is the oracle the lowered programs are tested against.
+([batch, pos] = 2, or [batch] = 1 after one position was selected), then the feature dims.
+Each write makes a new version of the activation; reads name the node whose value they want.
+The graph prints like torch.fx and evaluates in plain torch (`evaluate`), which is the oracle the
+lowered programs are tested against.
 
-Ops:
-  act()                         the activation arriving at the hook point (version 0)
-  const(tensor)                 a constant: a direction, a cached activation, a probe
-  add/sub/mul(a, b), neg(a)     elementwise, with torch broadcasting
-  matmul(a, const)              contraction of the last feature dim with a constant
-  sum(a)                        sum over the last feature dim
-  unsqueeze(a)                  a new trailing feature dim of size 1
-  select_pos(a, k)              a[:, k]: one padded position (token_dims 2 -> 1)
-  write(version, value, k)      version with value written at position k (k None: everywhere)
+Ops (n: a node, c: a constant tensor):
+  act()                          the activation arriving at the hook point (version 0)
+  const(c)                       a constant: a direction, a cached activation, a probe
+  select(n, pos, heads)          n[:, pos] and/or n[..., heads, :]; pos / heads: None (all), an int
+                                 (the dim is dropped) or a tuple of ints (kept)
+  write(version, n, pos, heads)  version with n written at those positions and heads
+  reshape(n, shape) / permute(n, dims)   of the feature dims only
+  linear(n, fn)                  a linear map of the feature dims by a constant (matmul, einsum,
+                                 sum over features): fn is applied to an identity basis to get it
+  <pointwise>(n, ...)            add sub mul div neg abs pow relu gelu sigmoid tanh exp log
+                                 gt ge lt le eq ne logical_and logical_or logical_not where clamp
+  <reduce>(n)                    max min norm over the last feature dim (sum/mean are `linear`)
+  softmax(n)                     over the last feature dim
+  store(spec)                    a value another hook point put into a store (see store.py)
 """
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
+
+POINTWISE: dict[str, Callable] = {
+    "add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div, "neg": torch.neg, "abs": torch.abs,
+    "pow": torch.pow, "relu": torch.relu, "gelu": F.gelu, "sigmoid": torch.sigmoid, "tanh": torch.tanh,
+    "exp": torch.exp, "log": torch.log,
+    "gt": lambda a, b: (a > b).float(), "ge": lambda a, b: (a >= b).float(), "lt": lambda a, b: (a < b).float(),
+    "le": lambda a, b: (a <= b).float(), "eq": lambda a, b: (a == b).float(), "ne": lambda a, b: (a != b).float(),
+    "logical_and": lambda a, b: ((a != 0) & (b != 0)).float(), "logical_or": lambda a, b: ((a != 0) | (b != 0)).float(),
+    "logical_not": lambda a: (a == 0).float(), "where": lambda c, a, b: torch.where(c != 0, a, b),
+    "clamp": lambda a, lo, hi: torch.clamp(a, lo, hi),
+}
+REDUCE: dict[str, Callable] = {
+    "max": lambda a: a.amax(-1), "min": lambda a: a.amin(-1), "norm": lambda a: a.norm(dim=-1),
+}
 
 
 @dataclass(eq=False)
@@ -45,6 +66,7 @@ class Graph:
     act_shape: tuple[int, ...]
     nodes: list[Node] = field(default_factory=list)
     reads: dict[int, Node] = field(default_factory=dict)  # read key -> node whose value is read
+    stores: dict = field(default_factory=dict)  # StoreSpec -> node whose value it takes (store.put)
     output: Node | None = None  # the final version of act after all hooks
 
     def add(self, op: str, args: tuple, shape, token_dims: int, where: str = "") -> Node:
@@ -58,6 +80,7 @@ class Graph:
             args = ", ".join(_fmt(a) for a in n.args)
             lines.append(f"    {n.name}{list(n.shape)} = {n.op}({args})")
         lines += [f"    read[{k}] = {n}" for k, n in self.reads.items()]
+        lines += [f"    store[{spec.name!r}, reduce={spec.reduce}] = {n}" for spec, n in self.stores.items()]
         lines.append(f"    return {self.output}")
         return "\n".join(lines)
 
@@ -65,11 +88,25 @@ class Graph:
 def _fmt(arg) -> str:
     if isinstance(arg, torch.Tensor):
         return f"tensor{list(arg.shape)}"
+    if callable(arg):
+        return getattr(arg, "label", "fn")
     return repr(arg)
 
 
-def evaluate(graph: Graph, act: torch.Tensor) -> dict[Node, torch.Tensor]:
-    """Run the graph eagerly in torch on a padded activation; returns every node's value."""
+def index_key(token_dims: int, pos, heads) -> tuple:
+    """The torch index for select/write: [:, pos] over tokens, then heads on the first feature dim."""
+    key = [slice(None)]
+    if token_dims == 2:
+        key.append(slice(None) if pos is None else (list(pos) if isinstance(pos, tuple) else pos))
+    if heads is not None:
+        key.append(list(heads) if isinstance(heads, tuple) else heads)
+    return tuple(key)
+
+
+def evaluate(graph: Graph, act: torch.Tensor, stores: dict | None = None) -> dict[Node, torch.Tensor]:
+    """Run the graph eagerly in torch on a padded activation; returns every node's value.
+
+    `stores` maps each StoreSpec the graph reads to its value [batch, pos, ...]."""
     env: dict[Node, torch.Tensor] = {}
 
     def val(a):
@@ -81,24 +118,30 @@ def evaluate(graph: Graph, act: torch.Tensor) -> dict[Node, torch.Tensor]:
             env[n] = act
         elif n.op == "const":
             env[n] = a[0]
-        elif n.op in ("add", "sub", "mul"):
-            env[n] = getattr(torch, n.op)(a[0], a[1])
-        elif n.op == "neg":
-            env[n] = -a[0]
-        elif n.op == "matmul":
-            env[n] = a[0] @ a[1]
-        elif n.op == "sum":
-            env[n] = a[0].sum(-1)
-        elif n.op == "unsqueeze":
-            env[n] = a[0].unsqueeze(-1)
-        elif n.op == "select_pos":
-            env[n] = a[0][:, a[1]]
+        elif n.op == "store":
+            env[n] = stores[a[0]]
+        elif n.op in POINTWISE:
+            env[n] = POINTWISE[n.op](*a)
+        elif n.op in REDUCE:
+            env[n] = REDUCE[n.op](a[0])
+        elif n.op == "softmax":
+            env[n] = a[0].softmax(-1)
+        elif n.op == "linear":
+            env[n] = a[1](a[0])
+        elif n.op == "reshape":
+            env[n] = a[0].reshape(a[0].shape[: n.token_dims] + tuple(a[1]))
+        elif n.op == "permute":
+            env[n] = a[0].permute(*range(n.token_dims), *(n.token_dims + d for d in a[1]))
+        elif n.op == "select":
+            x, pos, heads = a
+            if pos is not None:
+                x = x[:, list(pos) if isinstance(pos, tuple) else pos]
+            if heads is not None:
+                x = x[(slice(None),) * n.token_dims + (list(heads) if isinstance(heads, tuple) else heads,)]
+            env[n] = x
         elif n.op == "write":
             out = a[0].clone()
-            if a[2] is None:
-                out[...] = a[1]
-            else:
-                out[:, a[2]] = a[1]
+            out[index_key(2, a[2], a[3])] = a[1]
             env[n] = out
         else:
             raise ValueError(f"unknown op {n.op}")

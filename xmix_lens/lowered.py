@@ -40,6 +40,79 @@ class Read:
     W: torch.Tensor | None  # [F, O]
     bias: torch.Tensor | None  # [O], or [B, P, O] per token
     feature_shape: tuple[int, ...]
+    store: object = None  # a StoreSpec: the value goes to that device store instead of the host
 
 
-LoweredOp = AffineWrite | Read
+
+
+
+# --- generated programs: what falls outside the parametric templates -----------------------------
+@dataclass
+class TokenOp:
+    """One op of a per-token program; args are indices of earlier ops or Python numbers.
+
+    Values are per token: shape () (a scalar per token) or (n,) (a feature vector per token).
+    Ops (elementwise ones broadcast () against (n,)):
+      x                          the site tensor's row for this token, shape (F,)
+      const i                    program.consts[i], the same for every token, shape () or (n,)
+      table i                    program.consts[i][flat index of the token], per token (patching)
+      add sub mul div a b        arithmetic;  neg abs a;  pow a p (p a number)
+      relu gelu sigmoid tanh exp log a
+      softmax a                  over the feature dim
+      gt ge lt le eq ne a b      comparisons -> 0.0 / 1.0;  logical_and logical_or a b;  logical_not a
+      where c a b                c != 0 ? a : b;  clamp a lo hi (lo, hi numbers or None)
+      sum mean max min norm a    reductions over the feature dim -> ()
+      matmul a i                 a (n,) @ program.consts[i] (n, k) -> (k,);  a () * row vector when n == 1
+      topk_mask a k              a where a is among its k largest features, else 0 (SAE top-k)
+      unsqueeze a                () -> (1,)
+    """
+
+    op: str
+    args: tuple
+    shape: tuple[int, ...]
+
+
+@dataclass
+class TokenProgram:
+    ops: list[TokenOp]
+    consts: list[torch.Tensor]
+    output: int  # index of the op whose value is the program's result
+
+
+@dataclass
+class GeneratedWrite:
+    """x[t] <- program(x[t]) at the selected tokens, by a kernel generated for the program."""
+
+    positions: torch.Tensor | None
+    program: TokenProgram
+
+
+@dataclass
+class GeneratedRead:
+    """value[t] = program(x[t]) at the selected tokens, delivered like a Read."""
+
+    key: object
+    positions: torch.Tensor | None
+    keeps_pos: bool
+    program: TokenProgram
+    feature_shape: tuple[int, ...]
+    store: object = None  # a StoreSpec: the value goes to that device store instead of the host
+LoweredOp = AffineWrite | Read | GeneratedWrite | GeneratedRead
+
+
+def describe(op: LoweredOp) -> str:
+    """One line per lowered op: which template runs, on which tokens, with which parameters."""
+    where = "every position" if op.positions is None else f"positions {op.positions.nonzero().flatten().tolist()}"
+    if isinstance(op, AffineWrite):
+        changed = int((op.scale != 1).sum())
+        bias = "per-token bias table" if op.per_token_bias else ("bias" if bool(op.bias.any()) else "no bias")
+        return (f"affine_write (parametric) at {where}: scale changes {changed} of {op.scale.numel()} features, "
+                f"low rank {op.U.shape[1]}, {bias}")
+    if isinstance(op, GeneratedWrite):
+        return f"generated kernel (write) at {where}: {len(op.program.ops)} ops [{', '.join(o.op for o in op.program.ops)}]"
+    sink = f"store {op.store.name!r}" if op.store is not None else "the host"
+    if isinstance(op, Read):
+        template = "gather_rows" if op.W is None else f"project_read W{list(op.W.shape)}"
+        return f"{template} (parametric) at {where} -> {sink}, value {list(op.feature_shape)} per token"
+    ops = ", ".join(o.op for o in op.program.ops)
+    return f"generated kernel (read -> {sink}) at {where}: {len(op.program.ops)} ops [{ops}]"

@@ -16,11 +16,12 @@ from dataclasses import dataclass
 
 import torch
 
-from . import hook_points
+from . import hook_points, stores
+from .backend.vllm.sites import feature_shape
 from .cache import ActivationCache
 from .hook_points import HookPoint
 from .lower import lower
-from .lowered import Read
+from .lowered import Read, describe
 from .models import resolve_model
 from .trace import Tracer
 
@@ -73,6 +74,8 @@ class HookedServedModel:
         self.W_U, self.b_U = unembed
         self.hook_dict: dict[str, HookPoint] = hook_points.make_hook_dict(cfg.family, cfg.n_layers)
         self.mod_dict = self.hook_dict
+        # per hook point, the per-token feature shape of its act ((d_model,), (n_heads, d_head), ...)
+        self.feature_shapes = {name: feature_shape(cfg.family, name, cfg) for name in self.hook_dict}
         self._context_level = 0
 
     # --- construction ---------------------------------------------------------------------------
@@ -275,38 +278,57 @@ class HookedServedModel:
         if max(len(r) for r in rows) > self.llm.llm_engine.model_config.max_model_len:
             raise ValueError(f"a row has {max(len(r) for r in rows)} tokens; this engine's max_model_len is "
                              f"{self.llm.llm_engine.model_config.max_model_len} (from_pretrained(max_model_len=...))")
-        ops, kept = self._trace_hooks(B, P)
+        ops, kept, _ = self._trace_hooks(B, P)
         need_logits = return_type is not None
         if need_logits:
             ops.setdefault(_FINAL, []).append(Read(_LOGITS_KEY, None, True, None, None, (self.cfg.d_model,)))
-        reads = self._run_pass(rows, offsets, P, ops)
+        p = self._run_pass(rows, offsets, P, ops)
         for key, proxy in kept:
-            torch.utils.swap_tensors(proxy, reads[key].to(self.cfg.dtype))
+            torch.utils.swap_tensors(proxy, p.result(key).to(self.cfg.dtype))
         if not need_logits:
             return None
-        logits = reads[_LOGITS_KEY] @ self.W_U + self.b_U
+        logits = p.result(_LOGITS_KEY) @ self.W_U + self.b_U
         if return_type == "logits":
             return logits
         loss = _next_token_loss(logits, tokens, mask, loss_per_token)
         return loss if return_type == "loss" else (logits, loss)
 
-    def _trace_hooks(self, B: int, P: int):
-        """Trace every hook function once for this pass; returns lowered ops per site and kept proxies."""
-        ops, kept = {}, []
-        for name, hp in self.hook_dict.items():
-            if not hp.fwd_hooks:
-                continue
-            tracer = Tracer(name, (B, P, self.cfg.d_model), self.cfg.dtype)
-            for handle in list(hp.fwd_hooks):
-                tracer.call(handle.hook, hp)
-            proxies = tracer.finish()
-            site_ops = lower(tracer.graph)
-            if site_ops:
-                ops[name] = site_ops
-            kept += [((name, key), p) for key, p in enumerate(proxies)]
-        return ops, kept
+    def explain(self, input="Hello world", fwd_hooks: Iterable[HookSpec] | None = None) -> str:
+        """What the hooks (given, or those added to hook points) become: their IR and lowered ops.
 
-    def _run_pass(self, rows: list[list[int]], offsets: list[int], P: int, ops) -> dict:
+        Tracing needs the pass's shape, so it is traced for `input` (nothing runs in the engine)."""
+        tokens, _, _, _ = self._rows(input, None, None, None)
+        with self.hooks(fwd_hooks or []):
+            ops, _, graphs = self._trace_hooks(*tokens.shape)
+        lines = []
+        for graph in graphs:
+            lines += [str(graph), "  lowered to:"]
+            lines += [f"    {describe(op)}" for op in ops.get(graph.hook_name, [])]
+        return "\n".join(lines) if lines else "no hooks"
+
+    def _trace_hooks(self, B: int, P: int):
+        """Trace every hook function once for this pass, in firing order, then lower each hook point.
+
+        Returns the lowered ops per hook point, the proxies the functions kept (future reads), and
+        the traced graphs."""
+        session = stores.TraceSession(B, P)
+        tracers, kept = [], []
+        stores.begin(session)
+        try:
+            for name, hp in self.hook_dict.items():
+                if hp.fwd_hooks:
+                    tracer = Tracer(name, (B, P) + self.feature_shapes[name], self.cfg.dtype)
+                    for handle in list(hp.fwd_hooks):
+                        tracer.call(handle.hook, hp)
+                    kept += [((name, key), p) for key, p in enumerate(tracer.finish())]
+                    tracers.append(tracer)
+        finally:
+            stores.begin(None)
+        session.allocate()
+        ops = {t.graph.hook_name: site_ops for t in tracers if (site_ops := lower(t.graph))}
+        return ops, kept, [t.graph for t in tracers]
+
+    def _run_pass(self, rows: list[list[int]], offsets: list[int], P: int, ops):
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -325,7 +347,7 @@ class HookedServedModel:
                 engine.step()
         finally:
             self.runtime.close_pass(p)
-        return p.reads
+        return p
 
 
 def _next_token_loss(logits: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor, per_token: bool):

@@ -16,10 +16,18 @@ from collections.abc import Callable
 import torch
 
 from .ir import Graph, Node
+from .stores import StoreSpec
 
 
 class TraceError(Exception):
     """A hook function does something the hook IR cannot express."""
+
+
+_running: list["Tracer"] = []  # the tracer whose hook function is being called (innermost last)
+
+
+def current_tracer() -> "Tracer | None":
+    return _running[-1] if _running else None
 
 
 _OWN_DIRS = (os.path.dirname(__file__), os.path.dirname(torch.__file__))
@@ -38,19 +46,33 @@ def _user_line() -> str:
 
 
 SUPPORTED = (
-    "+, -, * with Python numbers and constant tensors; unary -; act @ direction (or matrix); "
-    ".sum(-1); [..., None] / .unsqueeze(-1); position selection act[:, k]; assignment "
-    "act[:, k] = value / act[:] = value / act += value; returning a new act; "
-    ".clone() / .detach() / .cpu() / .to(...)"
+    "arithmetic (+ - * / neg abs pow) with numbers, constant tensors and other traced values; relu gelu "
+    "sigmoid tanh exp log softmax(-1); comparisons and logical ops; torch.where; clamp; sum mean max min "
+    "norm over the last dim; @ / matmul / einsum / einops.einsum with constant tensors; reshape view "
+    "flatten permute transpose of feature dims (einops.rearrange); act[:, k], act[:, a:b], act[:, mask], "
+    "act[:, :, head(s)]; assignment into act and in-place ops on act; returning a new act; "
+    ".clone() .detach() .cpu() .to()"
 )
 
-_METADATA = {"dim", "size", "numel", "__len__", "__format__", "__get__", "__repr__"}
-_IDENTITY = {"clone", "detach", "cpu", "to", "contiguous", "float", "cuda", "requires_grad_"}
-_BINARY = {"add": "add", "__add__": "add", "__radd__": "add", "sub": "sub", "__sub__": "sub",
-           "__rsub__": "rsub", "rsub": "rsub", "mul": "mul", "__mul__": "mul", "__rmul__": "mul",
-           "matmul": "matmul", "__matmul__": "matmul"}
-_INPLACE = {"add_": "add", "__iadd__": "add", "sub_": "sub", "__isub__": "sub", "mul_": "mul", "__imul__": "mul"}
-_CONTROL_FLOW = {"__bool__", "item", "tolist", "__int__", "__float__", "__index__", "numpy"}
+_METADATA = {"dim", "size", "numel", "__len__", "__format__", "__get__", "__repr__", "ndimension"}
+_IDENTITY = {"clone", "detach", "cpu", "to", "contiguous", "float", "cuda", "requires_grad_", "type_as"}
+_BINARY = {
+    "add": "add", "__add__": "add", "__radd__": "add", "sub": "sub", "__sub__": "sub", "subtract": "sub",
+    "__rsub__": "rsub", "rsub": "rsub", "mul": "mul", "__mul__": "mul", "__rmul__": "mul", "multiply": "mul",
+    "div": "div", "__truediv__": "div", "true_divide": "div", "divide": "div", "__rtruediv__": "rdiv",
+    "gt": "gt", "__gt__": "gt", "greater": "gt", "ge": "ge", "__ge__": "ge", "lt": "lt", "__lt__": "lt",
+    "less": "lt", "le": "le", "__le__": "le", "eq": "eq", "__eq__": "eq", "ne": "ne", "__ne__": "ne",
+    "logical_and": "logical_and", "__and__": "logical_and", "logical_or": "logical_or", "__or__": "logical_or",
+    "matmul": "matmul", "__matmul__": "matmul",
+}
+_UNARY = {"neg": "neg", "__neg__": "neg", "negative": "neg", "abs": "abs", "__abs__": "abs", "relu": "relu",
+          "gelu": "gelu", "sigmoid": "sigmoid", "tanh": "tanh", "exp": "exp", "log": "log",
+          "logical_not": "logical_not", "__invert__": "logical_not"}
+_REDUCE = {"sum": "sum", "mean": "mean", "max": "max", "amax": "max", "min": "min", "amin": "min",
+           "norm": "norm", "vector_norm": "norm"}
+_INPLACE = {"add_": "add", "__iadd__": "add", "sub_": "sub", "__isub__": "sub", "mul_": "mul", "__imul__": "mul",
+            "div_": "div", "__itruediv__": "div"}
+_CONTROL_FLOW = {"__bool__", "item", "tolist", "__int__", "__float__", "__index__", "numpy", "any", "all"}
 
 
 class TracedTensor(torch.Tensor):
@@ -58,7 +80,7 @@ class TracedTensor(torch.Tensor):
 
     _node: Node
     _tracer: "Tracer"
-    _view: tuple | None  # (base proxy, position) when this is act[:, k] of a traced act
+    _view: tuple | None  # (base proxy, pos, heads) when this is a selection of a traced act
 
     @staticmethod
     def __new__(cls, tracer: "Tracer", node: Node, dtype: torch.dtype, view=None):
@@ -116,13 +138,17 @@ class Tracer:
         """Trace fn(act, hook=hook) on the current version of act."""
         self.hook_label = f"{getattr(fn, '__name__', fn)} on {self.graph.hook_name}"
         act = self.act = self.proxy(self.version)
-        result = fn(act, hook=hook)
+        _running.append(self)
+        try:
+            result = fn(act, hook=hook)
+        finally:
+            _running.pop()
         if result is None or (isinstance(result, TracedTensor) and result._node is self.version):
             return
         if not isinstance(result, TracedTensor) or result.shape != act.shape:
             got = list(result.shape) if isinstance(result, torch.Tensor) else type(result).__name__
             raise self.fail(f"returned {got}; a hook returns None or a tensor shaped like act {list(act.shape)}")
-        self.version = self.graph.add("write", (self.version, result._node, None), act.shape, 2, _user_line())
+        self.version = self.add("write", (self.version, result._node, None, None), act.shape, 2)
 
     def finish(self) -> list[TracedTensor]:
         """Close the graph; returns the proxies the hook functions kept (they become reads)."""
@@ -141,6 +167,8 @@ class Tracer:
 
     # --- recording ops --------------------------------------------------------------------------
     def node_of(self, x) -> Node:
+        if isinstance(x, TracedTensor) and x._tracer is not self:
+            return self.imported(x)
         if isinstance(x, TracedTensor):
             return x._node
         if isinstance(x, (int, float)) and not isinstance(x, bool):
@@ -150,119 +178,306 @@ class Tracer:
                 return self.graph.add("const", (x.detach().to("cpu", torch.float32),), x.shape, 0)
         raise self.fail(f"cannot use a {type(x).__name__} as an operand")
 
+    def add(self, op: str, args: tuple, shape, token_dims: int) -> Node:
+        return self.graph.add(op, args, shape, token_dims, _user_line())
+
     def binary(self, op: str, a, b) -> Node:
-        if op == "rsub":
-            op, a, b = "sub", b, a
+        if op in ("rsub", "rdiv"):
+            op, a, b = op[1:], b, a
         na, nb = self.node_of(a), self.node_of(b)
-        token_dims = max(na.token_dims, nb.token_dims)
         if op == "matmul":
-            if nb.token_dims or nb.op != "const" or len(nb.shape) > 2 or na.token_dims == 0:
+            if nb.token_dims or nb.op != "const" or nb.shape == () or na.token_dims == 0:
                 raise self.fail("matmul needs a traced value on the left and a constant vector or matrix on the right")
-            if na.shape[-1] != nb.shape[0]:
-                raise self.fail(f"matmul of {list(na.shape)} with {list(nb.shape)}: inner sizes differ")
-            return self.graph.add("matmul", (na, nb), na.shape[:-1] + nb.shape[1:], token_dims, _user_line())
+            W = nb.args[0]
+            if na.shape[-1] != W.shape[0]:
+                raise self.fail(f"matmul of {list(na.shape)} with {list(W.shape)}: inner sizes differ")
+            return self.linear(na, lambda t, W=W: t @ W, na.shape[:-1] + W.shape[1:], "matmul")
         try:
-            shape = torch.broadcast_shapes(na.shape, nb.shape)
+            shape = tuple(torch.broadcast_shapes(na.shape, nb.shape))
         except RuntimeError:
             raise self.fail(f"shapes {list(na.shape)} and {list(nb.shape)} do not broadcast "
                             f"(act is {list(self.graph.act_shape)})") from None
-        if len(shape) > max(len(na.shape) if na.token_dims else 0, len(nb.shape) if nb.token_dims else 0):
-            raise self.fail(f"a constant of shape {list((nb if na.token_dims else na).shape)} adds dims in front of "
-                            f"the traced value {list((na if na.token_dims else nb).shape)}")
-        return self.graph.add(op, (na, nb), shape, token_dims, _user_line())
+        traced = max(na, nb, key=lambda n: n.token_dims)
+        if len(shape) > len(traced.shape):
+            const = nb if traced is na else na
+            raise self.fail(f"a constant of shape {list(const.shape)} adds dims in front of the traced value "
+                            f"{list(traced.shape)}")
+        return self.add(op, (na, nb), shape, traced.token_dims)
+
+    def linear(self, n: Node, fn: Callable, shape, label: str) -> Node:
+        """A linear map of n's feature dims by constants; fn maps [k, *features] -> [k, *out_features]."""
+        fn.label = label
+        return self.add("linear", (n, fn), shape, n.token_dims)
+
+    def reduce(self, name: str, x: "TracedTensor", args: tuple, kwargs: dict):
+        n = x._node
+        dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+        if name in ("norm", "vector_norm"):
+            p = kwargs.get("p", kwargs.get("ord", args[1] if len(args) > 1 else 2))
+            dim = kwargs.get("dim", args[2] if len(args) > 2 else None)
+            if p not in (2, 2.0, "fro", None):
+                raise self.fail("norm is supported as the 2-norm over the last dim: x.norm(dim=-1)")
+        keepdim = kwargs.get("keepdim", args[2] if len(args) > 2 and name not in ("norm", "vector_norm") else False)
+        if dim not in (-1, len(n.shape) - 1) or not n.feature_shape:
+            raise self.fail(f"{name} is supported over the last feature dim only (dim=-1); reductions over "
+                            f"positions or the batch mix tokens, which one hook cannot do")
+        shape = n.shape[:-1]
+        if name in ("sum", "mean"):
+            scale = 1.0 / n.shape[-1] if name == "mean" else 1.0
+            out = self.linear(n, lambda t, s=scale: t.sum(-1) * s, shape, name)
+        else:
+            out = self.add(_REDUCE[name], (n,), shape, n.token_dims)
+        if keepdim:
+            out = self.add("reshape", (out, out.feature_shape + (1,)), shape + (1,), n.token_dims)
+        return self.proxy(out)
 
     def record(self, name: str, args: tuple, kwargs: dict):
         if name in _CONTROL_FLOW:
             raise self.fail(f"`{name}` on a traced value: Python control flow and host reads cannot run in the "
-                            f"engine; use arithmetic (e.g. a mask multiplied in) instead of `if`")
+                            f"engine; use arithmetic or torch.where instead of `if`")
         x = args[0]
         if name in _IDENTITY:
-            if name == "to" and any(isinstance(a, torch.dtype) and a.is_floating_point is False for a in args[1:]):
+            if any(isinstance(a, torch.dtype) and not a.is_floating_point for a in list(args[1:]) + list(kwargs.values())):
                 raise self.fail("casting a traced value to a non-float dtype")
             return self.proxy(x._node)
         if name in _BINARY and not kwargs:
             return self.proxy(self.binary(_BINARY[name], x, args[1]))
         if name in _INPLACE and not kwargs:
             return self.inplace(x, self.binary(_INPLACE[name], x, args[1]))
-        if name in ("neg", "__neg__"):
+        if name in _UNARY and not kwargs:
+            n = self.node_of(x)
+            return self.proxy(self.add(_UNARY[name], (n,), n.shape, n.token_dims))
+        if name in ("gelu",) and kwargs.get("approximate", "none") != "none":
+            raise self.fail("gelu is supported with approximate='none'")
+        if name in _REDUCE:
+            return self.reduce(name, x, args, kwargs)
+        if name in ("pow", "__pow__"):
+            if not isinstance(args[1], (int, float)):
+                raise self.fail("pow is supported with a constant number exponent")
             n = x._node
-            return self.proxy(self.graph.add("neg", (n,), n.shape, n.token_dims, _user_line()))
-        if name == "sum":
-            dim = args[1] if len(args) > 1 else kwargs.get("dim")
-            keepdim = kwargs.get("keepdim", args[2] if len(args) > 2 else False)
+            return self.proxy(self.add("pow", (n, float(args[1])), n.shape, n.token_dims))
+        if name in ("clamp", "clip", "clamp_min", "clamp_max"):
+            lo = kwargs.get("min", args[1] if len(args) > 1 else None)
+            hi = kwargs.get("max", args[2] if len(args) > 2 else None)
+            if name == "clamp_max":
+                lo, hi = None, lo
+            if not all(v is None or isinstance(v, (int, float)) for v in (lo, hi)):
+                raise self.fail("clamp is supported with number bounds")
             n = x._node
-            if dim not in (-1, len(n.shape) - 1) or len(n.feature_shape) == 0:
-                raise self.fail("sum is supported over the last feature dim only (dim=-1); sums over positions "
-                                "or the batch mix tokens")
-            out = self.graph.add("sum", (n,), n.shape[:-1], n.token_dims, _user_line())
-            if keepdim:
-                out = self.graph.add("unsqueeze", (out,), out.shape + (1,), out.token_dims, _user_line())
-            return self.proxy(out)
-        if name == "unsqueeze":
-            dim = args[1] if len(args) > 1 else kwargs.get("dim")
-            if dim != -1:
-                raise self.fail("unsqueeze is supported at dim=-1 only")
+            return self.proxy(self.add("clamp", (n, lo, hi), n.shape, n.token_dims))
+        if name == "where":
+            cond, a, b = (self.node_of(v) for v in args[:3])
+            shape = tuple(torch.broadcast_shapes(cond.shape, a.shape, b.shape))
+            return self.proxy(self.add("where", (cond, a, b), shape, max(cond.token_dims, a.token_dims, b.token_dims)))
+        if name == "softmax":
+            dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
             n = x._node
-            return self.proxy(self.graph.add("unsqueeze", (n,), n.shape + (1,), n.token_dims, _user_line()))
+            if dim not in (-1, len(n.shape) - 1) or not n.feature_shape:
+                raise self.fail("softmax is supported over the last feature dim (dim=-1)")
+            return self.proxy(self.add("softmax", (n,), n.shape, n.token_dims))
+        if name == "einsum":
+            return self.einsum(args, kwargs)
+        if name in ("reshape", "view", "flatten", "unsqueeze", "squeeze"):
+            return self.reshape(name, x, args[1:], kwargs)
+        if name in ("permute", "transpose"):
+            return self.permute(name, x, args[1:])
         if name == "__getitem__":
             return self.getitem(x, args[1])
         if name == "__setitem__":
             return self.setitem(x, args[1], args[2])
+        if name in ("zero_", "fill_"):
+            return self.inplace(x, self.node_of(0.0 if name == "zero_" else args[1]))
         raise self.fail(f"`{name}` is not in the hook IR")
 
-    def position_of(self, node: Node, key) -> int | None | str:
-        """Parse an index into: a position k (act[:, k]), None (all: act[:] / act[...]), 'newaxis'."""
+    # --- stores: values shared with hooks at other hook points -----------------------------------
+    def store_put(self, name: str, value: "TracedTensor", reduce: str | None, session) -> StoreSpec:
+        n = value._node
+        if n.token_dims == 1 and reduce is not None:
+            raise self.fail(f"store {name!r}: reduce={reduce!r} over positions of a value that already selected "
+                            f"one position")
+        kind = reduce if reduce is not None else ("last" if n.token_dims == 1 else None)
+        spec = StoreSpec(name, kind, n.feature_shape)
+        session.stores[name] = spec
+        self.graph.stores[spec] = n
+        return spec
+
+    def store_get(self, spec: StoreSpec) -> "TracedTensor":
+        shape = self.graph.act_shape[:2] + spec.feature_shape
+        return self.proxy(self.add("store", (spec,), shape, 2))
+
+    def imported(self, x: "TracedTensor") -> Node:
+        """A value traced at another hook point, used here: shared through a per-token store."""
+        from .stores import _session
+
+        if x._node.token_dims != 2 or _session is None:
+            raise self.fail("a value from another hook point that selected positions; share per-request values "
+                            "with xmix_lens.store.put / store.get (broadcast over positions)")
+        name = f"{x._tracer.graph.hook_name}:{x._node.name}"
+        spec = _session.stores.get(name) or x._tracer.store_put(name, x, None, _session)
+        return self.store_get(spec)._node
+
+    # --- shapes of feature dims -------------------------------------------------------------------
+    def reshape(self, name: str, x: "TracedTensor", args: tuple, kwargs: dict):
+        n = x._node
+        td = n.token_dims
+        probe = torch.empty(n.shape, device="meta")
+        if name == "flatten":
+            start = kwargs.get("start_dim", args[0] if args else 0)
+            end = kwargs.get("end_dim", args[1] if len(args) > 1 else -1)
+            out = probe.flatten(start, end)
+        elif name in ("unsqueeze", "squeeze"):
+            out = getattr(probe, name)(*args)
+        else:
+            shape = args[0] if len(args) == 1 and isinstance(args[0], (tuple, list, torch.Size)) else args
+            out = probe.reshape(*shape)
+        if tuple(out.shape[:td]) != n.shape[:td]:
+            raise self.fail(f"{name} to {list(out.shape)} changes the token dims {list(n.shape[:td])}; only "
+                            f"feature dims may be reshaped inside a hook")
+        return self.proxy(self.add("reshape", (n, tuple(out.shape[td:])), tuple(out.shape), td))
+
+    def permute(self, name: str, x: "TracedTensor", args: tuple):
+        n = x._node
+        td, nd = n.token_dims, len(n.shape)
+        if name == "transpose":
+            d0, d1 = (a % nd for a in args)
+            dims = list(range(nd))
+            dims[d0], dims[d1] = dims[d1], dims[d0]
+        else:
+            dims = [d % nd for d in (args[0] if len(args) == 1 and isinstance(args[0], (tuple, list)) else args)]
+        if dims[:td] != list(range(td)):
+            raise self.fail(f"{name} moves token dims; only feature dims may be permuted inside a hook")
+        out = tuple(n.shape[d] for d in dims)
+        return self.proxy(self.add("permute", (n, tuple(d - td for d in dims[td:])), out, td))
+
+    def einsum(self, args: tuple, kwargs: dict):
+        equation, *operands = args
+        if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+            operands = list(operands[0])
+        equation = equation.replace(" ", "")
+        if "..." in equation or len(operands) != 2 or "->" not in equation:
+            raise self.fail("einsum is supported with two operands (a traced value and a constant) and an explicit "
+                            "output, without '...'")
+        ins, out = equation.split("->")
+        subs = ins.split(",")
+        traced_at = [i for i, o in enumerate(operands) if isinstance(o, TracedTensor)]
+        if len(traced_at) != 1:
+            raise self.fail("einsum needs exactly one traced operand; the other must be a constant")
+        t = traced_at[0]
+        n, const = operands[t]._node, self.node_of(operands[1 - t])
+        td = n.token_dims
+        tokens = subs[t][:td]
+        if out[:td] != tokens or any(ch in subs[1 - t] or ch in out[td:] for ch in tokens):
+            raise self.fail(f"einsum {equation!r}: the traced operand's leading token letters {tokens!r} must lead "
+                            f"the output and appear nowhere else")
+        # the same contraction over the features, for any leading dims (tokens, or a basis)
+        feat = ["..." + subs[t][td:], subs[1 - t]] if t == 0 else [subs[1 - t], "..." + subs[t][td:]]
+        feature_eq = f"{feat[0]},{feat[1]}->...{out[td:]}"
+        W = const.args[0]
+        fn = (lambda b, W=W: torch.einsum(feature_eq, b, W)) if t == 0 else (lambda b, W=W: torch.einsum(feature_eq, W, b))
+        shape = tuple(torch.einsum(equation, *[torch.empty(o.shape, device="meta") for o in operands]).shape)
+        return self.proxy(self.linear(n, fn, shape, f"einsum({equation})"))
+
+    # --- indexing ----------------------------------------------------------------------------------
+    def parse_index(self, node: Node, key):
+        """An index into a traced value -> (pos, heads), or 'newaxis' for x[..., None].
+
+        pos / heads: None (all), an int (dim dropped) or a tuple of ints (dim kept)."""
         key = key if isinstance(key, tuple) else (key,)
-        rest = [k for k in key[2:] if k is not Ellipsis and k != slice(None)]
-        if key in ((Ellipsis,), (slice(None),), (slice(None), slice(None))):
-            return None
         if key == (Ellipsis, None):
             return "newaxis"
-        if node.token_dims == 2 and len(key) >= 2 and key[0] == slice(None) and isinstance(key[1], int) and not rest:
-            P = node.shape[1]
-            if not -P <= key[1] < P:
-                raise self.fail(f"position {key[1]} is outside the padded length {P}")
-            return key[1] % P
-        raise self.fail(f"index {key!r}: supported are act[:, k] (one position), act[:], act[...] and x[..., None]")
+        if Ellipsis in key:
+            i = key.index(Ellipsis)
+            key = key[:i] + (slice(None),) * (len(node.shape) - len(key) + 1) + key[i + 1:]
+        key = key + (slice(None),) * (len(node.shape) - len(key))
+        if len(key) > len(node.shape) or key[0] != slice(None):
+            raise self.fail(f"index {key!r}: the batch dim must be taken whole (act[:, ...])")
+        td = node.token_dims
+        pos = self.index_along(key[1], node.shape[1], "position") if td == 2 else None
+        feature_key = key[td:]
+        heads = self.index_along(feature_key[0], node.shape[td], "feature") if feature_key else None
+        if any(k != slice(None) for k in feature_key[1:]):
+            raise self.fail(f"index {key!r}: inside the features only the first feature dim (heads) can be indexed")
+        return pos, heads
 
-    def getitem(self, x: TracedTensor, key):
+    def index_along(self, k, size: int, what: str):
+        if isinstance(k, slice):
+            return None if k == slice(None) else tuple(range(size)[k])
+        if isinstance(k, int):
+            if not -size <= k < size:
+                raise self.fail(f"{what} {k} is outside the size {size}")
+            return k % size
+        if isinstance(k, TracedTensor):
+            raise self.fail("indexing with a traced value (a data-dependent selection); use a mask multiplied in "
+                            "or torch.where")
+        k = torch.as_tensor(k)
+        if k.dtype == torch.bool:
+            if k.shape != (size,):
+                raise self.fail(f"a boolean {what} mask must have length {size}, got {list(k.shape)}")
+            return tuple(k.nonzero().flatten().tolist())
+        if k.dim() == 1 and not k.is_floating_point():
+            return tuple(int(i) % size for i in k.tolist())
+        raise self.fail(f"unsupported {what} index {k!r}")
+
+    @staticmethod
+    def selected_shape(n: Node, pos, heads) -> tuple[tuple[int, ...], int]:
+        """Shape and token dims of n[:, pos][..., heads, :] (see ir.evaluate's select)."""
+        probe = torch.empty(n.shape, device="meta")
+        if pos is not None:
+            probe = probe[:, list(pos) if isinstance(pos, tuple) else pos]
+        td = n.token_dims - (1 if isinstance(pos, int) else 0)
+        if heads is not None:
+            probe = probe[(slice(None),) * td + (list(heads) if isinstance(heads, tuple) else heads,)]
+        return tuple(probe.shape), td
+
+    def select_node(self, n: Node, pos, heads) -> Node:
+        shape, td = self.selected_shape(n, pos, heads)
+        return self.add("select", (n, pos, heads), shape, td)
+
+    def getitem(self, x: "TracedTensor", key):
         n = x._node
-        pos = self.position_of(n, key)
-        if pos is None:
+        parsed = self.parse_index(n, key)
+        if parsed == "newaxis":
+            return self.proxy(self.add("reshape", (n, n.feature_shape + (1,)), n.shape + (1,), n.token_dims))
+        pos, heads = parsed
+        if pos is None and heads is None:
             return self.proxy(n)
-        if pos == "newaxis":
-            return self.proxy(self.graph.add("unsqueeze", (n,), n.shape + (1,), n.token_dims, _user_line()))
-        sel = self.graph.add("select_pos", (n, pos), n.shape[:1] + n.shape[2:], 1, _user_line())
-        return self.proxy(sel, view=(x, pos))
+        return self.proxy(self.select_node(n, pos, heads), view=(x, pos, heads))
 
-    def setitem(self, x: TracedTensor, key, value) -> None:
+    def setitem(self, x: "TracedTensor", key, value) -> None:
         if x is not self.act:
             raise self.fail("assignment into a value other than the hook's own act (a copy, or an "
                             "intermediate): assign into act itself, or return the new value")
-        pos = self.position_of(x._node, key)
-        if pos == "newaxis":
+        parsed = self.parse_index(x._node, key)
+        if parsed == "newaxis":
             raise self.fail("assignment through [..., None]")
-        target = x._node.shape if pos is None else x._node.shape[:1] + x._node.shape[2:]
+        pos, heads = parsed
         v = self.node_of(value)
-        if v.op == "select_pos" and v.args == (self.version, pos):
-            return  # writing act[:, k] back into itself, as `act[:, k] += v` does after the in-place add
+        if v.op == "select" and v.args == (self.version, pos, heads):
+            return  # act[k] written back into itself, as `act[:, k] += v` does after the in-place add
+        slot, _ = self.selected_shape(x._node, pos, heads)
         try:
-            if torch.broadcast_shapes(v.shape, target) != torch.Size(target):
+            if tuple(torch.broadcast_shapes(v.shape, slot)) != slot:
                 raise RuntimeError
         except RuntimeError:
-            raise self.fail(f"cannot assign a value of shape {list(v.shape)} to a slot of shape {list(target)}") from None
-        self.version = self.graph.add("write", (self.version, v, pos), x._node.shape, 2, _user_line())
+            raise self.fail(f"cannot assign a value of shape {list(v.shape)} to a slot of shape {list(slot)}") from None
+        self.version = self.add("write", (self.version, v, pos, heads), x._node.shape, 2)
         x._node = self.version
 
-    def inplace(self, x: TracedTensor, value: Node) -> TracedTensor:
-        """x op= v: a write into act (or into act[:, k] when x is that view)."""
+    def inplace(self, x: "TracedTensor", value: Node) -> "TracedTensor":
+        """x op= v: a write into act (or into act[k] when x is such a view of it)."""
         if x._view is not None:
-            base, pos = x._view
-            self.setitem(base, (slice(None), pos), self.proxy(value))
-            x._node = self.graph.add("select_pos", (self.version, pos), value.shape, 1)
+            base, pos, heads = x._view
+            self.setitem(base, self.key_of(pos, heads), self.proxy(value))
+            x._node = self.select_node(self.version, pos, heads)
             return x
         if x is not self.act:
             x._node = value  # an in-place op on an intermediate value: just rebind it
             return x
         self.setitem(x, (Ellipsis,), self.proxy(value))
         return x
+
+    @staticmethod
+    def key_of(pos, heads) -> tuple:
+        def part(p):
+            return slice(None) if p is None else (list(p) if isinstance(p, tuple) else p)
+        return (slice(None), part(pos), part(heads))

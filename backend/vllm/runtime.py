@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import torch
 
 from xmix_lens import kernels
-from xmix_lens.lowered import AffineWrite, LoweredOp, Read
+from xmix_lens.lowered import AffineWrite, GeneratedRead, GeneratedWrite, LoweredOp, Read
 
 from . import adapter
 
@@ -28,7 +28,13 @@ class Pass:
     ops: dict[int, list[LoweredOp]]  # site id -> ops, in hook order
     rows: dict[str, int] = field(default_factory=dict)  # vLLM request id -> batch row
     pad_offsets: list[int] = field(default_factory=list)  # per row: padded pos - prompt pos
-    reads: dict[int, torch.Tensor] = field(default_factory=dict)  # read key -> host tensor
+    reads: dict[object, torch.Tensor] = field(default_factory=dict)  # read key -> host tensor [B, P, ...]
+    read_ops: dict[object, LoweredOp] = field(default_factory=dict)
+
+    def result(self, key) -> torch.Tensor:
+        """A read's value in its traced shape: [B, P, ...], [B, L, ...] for a position slice, or [B, ...]."""
+        op, value = self.read_ops[key], self.reads[key]
+        return value[:, op.positions] if op.keeps_pos and op.positions is not None else value
 
 
 @dataclass
@@ -57,9 +63,10 @@ class SiteRuntime:
         self._next_pass_id += 1
         for site_ops in p.ops.values():
             for op in site_ops:
-                if isinstance(op, Read):
+                if isinstance(op, (Read, GeneratedRead)) and op.store is None:
                     lead = (batch, padded_len) if op.keeps_pos else (batch,)
                     p.reads[op.key] = torch.zeros(*lead, *op.feature_shape, dtype=torch.float32)
+                    p.read_ops[op.key] = op
         self.passes[p.pass_id] = p
         return p
 
@@ -108,37 +115,79 @@ class SiteRuntime:
         tokens = self._selected(p, op.positions)
         if tokens.numel() == 0:
             return
-        flat_index = self.step.row[tokens] * p.padded_len + self.step.padded_pos[tokens]
+        # each token's row in per-token tables ([B, P, ...] flattened): patching, per-token biases
+        flat_index = (self.step.row[tokens] * p.padded_len + self.step.padded_pos[tokens]).int().to(x.device)
+        rows = tokens.int().to(x.device)
         impl = _TRITON if x.is_cuda else _TORCH
         if isinstance(op, AffineWrite):
             bias = op.bias.reshape(-1, op.bias.shape[-1]) if op.per_token_bias else op.bias[None]
-            bias_idx = flat_index if op.per_token_bias else torch.zeros_like(tokens)
-            impl.affine_write(x, tokens.int(), op.scale[None].to(x.device), torch.zeros_like(tokens).int(),
-                              bias.to(x.device), bias_idx.int(), op.U.to(x.device), op.V.to(x.device))
-            return
-        width = op.W.shape[1] if op.W is not None else x.shape[1]
-        out = torch.empty(tokens.numel(), width, dtype=torch.float32, device=x.device)
-        dest = torch.arange(tokens.numel(), dtype=torch.int32, device=x.device)
-        if op.W is None:
-            impl.gather_rows(x, tokens.int(), out, dest)
+            bias_idx = flat_index if op.per_token_bias else torch.zeros_like(rows)
+            impl.affine_write(x, rows, op.scale[None].to(x.device), torch.zeros_like(rows), bias.to(x.device),
+                              bias_idx, op.U.to(x.device), op.V.to(x.device))
+        elif isinstance(op, GeneratedWrite):
+            impl.run_program(x, rows, op.program, flat_index)
         else:
-            impl.project_read(x, tokens.int(), op.W.to(x.device), torch.zeros(width, device=x.device), out, dest)
-        out = out.cpu()
-        if op.bias is not None:
-            out += op.bias.reshape(-1, width)[flat_index] if op.bias.dim() == 3 else op.bias
-        target = p.reads[op.key]
+            self._deliver(p, op, tokens, self._read(x, op, rows, flat_index, impl))
+
+    @staticmethod
+    def _read(x, op, rows, flat_index, impl) -> torch.Tensor:
+        width = _numel(op.feature_shape)
+        out = torch.empty(rows.numel(), width, dtype=torch.float32, device=x.device)
+        dest = torch.arange(rows.numel(), dtype=torch.int32, device=x.device)
+        if isinstance(op, GeneratedRead):
+            impl.run_program(x, rows, op.program, flat_index, out, dest)
+        elif op.W is None:
+            impl.gather_rows(x, rows, out, dest)
+        else:
+            bias = op.bias if op.bias is not None and op.bias.dim() == 1 else torch.zeros(width)
+            impl.project_read(x, rows, op.W.to(x.device), bias.to(x.device), out, dest)
+            if op.bias is not None and op.bias.dim() == 3:  # a per-token bias, added where it is known
+                out += op.bias.reshape(-1, width).to(x.device)[flat_index.long()]
+        return out.cpu()
+
+    def _deliver(self, p: Pass, op, tokens: torch.Tensor, values: torch.Tensor) -> None:
         rows = self.step.row[tokens]
+        if op.store is not None:
+            _put(op.store, rows, self.step.padded_pos[tokens], values.to(op.store.buffer.device))
+            return
+        target = p.reads[op.key]
         if op.keeps_pos:
-            target.view(p.batch, p.padded_len, -1)[rows, self.step.padded_pos[tokens]] = out
+            target.view(p.batch, p.padded_len, -1)[rows, self.step.padded_pos[tokens]] = values
         else:
-            target.view(p.batch, -1)[rows] = out
+            target.view(p.batch, -1)[rows] = values
+
+
+def _put(spec, rows: torch.Tensor, positions: torch.Tensor, values: torch.Tensor) -> None:
+    """Values of a step's tokens into a store: per token, or folded into one value per request."""
+    if spec.reduce is None:
+        spec.buffer[rows, positions] = values
+        return
+    if spec.reduce == "last":
+        per_request = values
+    else:
+        if spec.reduce == "max":
+            spec.accumulator.index_reduce_(0, rows, values, "amax")
+        else:
+            spec.accumulator.index_add_(0, rows, values)
+        spec.count.index_add_(0, rows, torch.ones_like(rows, dtype=spec.count.dtype))
+        per_request = spec.accumulator[rows]
+        if spec.reduce == "mean":
+            per_request = per_request / spec.count[rows, None]
+    spec.buffer[rows] = per_request[:, None, :]  # the same value at every position of the request
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
 
 
 # The GPU runs the Triton templates; the CPU engine runs their torch twins (Triton has no CPU backend).
 _TRITON = SimpleNamespace(affine_write=kernels.affine_write, gather_rows=kernels.gather_rows,
-                          project_read=kernels.project_read)
+                          project_read=kernels.project_read, run_program=kernels.run_program)
 _TORCH = SimpleNamespace(affine_write=kernels.affine_write_torch, gather_rows=kernels.gather_rows_torch,
-                         project_read=kernels.project_read_torch)
+                         project_read=kernels.project_read_torch, run_program=kernels.run_program_torch)
 
 _active: SiteRuntime | None = None  # the runtime of the engine whose forward is running
 

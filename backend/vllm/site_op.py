@@ -1,8 +1,16 @@
-"""The one custom op every hook site calls: `torch.ops.xmix.site(x, site_id)`.
+"""The custom ops every hook site calls: `torch.ops.xmix.site(x, site_id)` and, for a hook point
+that is a column slice of a layer's output, `torch.ops.xmix.site_cols(x, site_id, start, end)`.
 
-It is declared as mutating `x`, with a fake impl, so torch.compile keeps it in the graph as an
-opaque call (and CUDA-graph capture records the kernels it launches) instead of tracing into it.
-Its body hands `x` to the site runtime, which applies the programs armed at that site this step.
+Both are declared as mutating `x`, with a fake impl, so torch.compile keeps them in the graph as
+opaque calls (and CUDA-graph capture records the kernels they launch) instead of tracing into them.
+Their body hands `x` (or its columns [start, end)) to the site runtime, which applies the programs
+armed at that site this step.
+
+Why `site_cols` takes the whole tensor and not the slice: vLLM compiles with auto-functionalization
+v1 (`enable_auto_functionalized_v2 = False`), and under v1 Inductor mis-compiles two custom ops
+mutating two views of one base (the second write is lost or reads stale memory; q, k, v slices of
+one qkv output are exactly that). A mutation of the whole tensor is functionalized like any other
+site; the slice is taken inside the op, on real tensors.
 """
 import torch
 
@@ -16,4 +24,14 @@ def site(x: torch.Tensor, site_id: int) -> None:
 
 @site.register_fake
 def _site_fake(x: torch.Tensor, site_id: int) -> None:
+    return None
+
+
+@torch.library.custom_op("xmix::site_cols", mutates_args=("x",))
+def site_cols(x: torch.Tensor, site_id: int, start: int, end: int) -> None:
+    runtime.run_active_site(x[..., start:end], site_id)
+
+
+@site_cols.register_fake
+def _site_cols_fake(x: torch.Tensor, site_id: int, start: int, end: int) -> None:
     return None

@@ -1,25 +1,35 @@
 """Where each TransformerLens hook point lives in vLLM's model classes, and how a site is put there.
 
-A site is a call `torch.ops.xmix.site(x, site_id)` that may rewrite `x` in place. Sites are put
-into a model by wrapping submodule forwards on the instance right after construction, before
-torch.compile first traces the model, so the compiled graph contains them. Only armed sites are
-installed: an unarmed hook point costs nothing, and vLLM's fused residual add + norm stays fused
-unless a residual site around it is armed.
+A site is a call `torch.ops.xmix.site(x, site_id)` (or `site_cols`, for columns of x) that may
+rewrite `x` in place. Sites are put into a model by wrapping submodule forwards on the instance
+right after construction, before torch.compile first traces the model, so the compiled graph
+contains them. Only armed sites are installed: an unarmed hook point costs nothing, and vLLM's
+fused residual add + norm stays fused unless a residual site around it is armed.
 
 Each family is a table: (submodule path, placement, hook names). Placements:
-  "after"         sites on the module's output
+  "after"         sites on the module's output (the tensor; for vLLM's linear layers, which
+                  return `(out, bias)`, on `out`)
   "before"        sites on the module's first input (in place, so aliases of it see the write)
+  "split"         sites on column slices of a merged linear layer's output, one group per part
+                  in the layer's `output_partition_sizes` order (q, k, v of a QKV projection;
+                  gate, up of a gate_up projection), by `torch.ops.xmix.site_cols(out, id, start,
+                  end)`: the site writes the columns of the output in place, before anything
+                  (the rotary embedding, which rewrites q and k in place) reads them.
   "norm" for vLLM's fused `norm(x, residual)`: materialise `x + residual`, run the
                   "sum" sites on it, normalise it unfused, run the "normalized" sites on the
                   result. Called without a residual (Llama's first layer), the sum is `x` itself.
 The table order is the order in which TransformerLens fires the hooks in one forward pass.
+
+A site tensor is 2-D, [tokens, features]: a hook point's per-token feature shape (`feature_shape`,
+e.g. (n_heads, d_head) for hook_q) is flattened into its row.
 """
+import re
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from . import site_op  # noqa: F401  (registers torch.ops.xmix.site)
+from . import site_op  # noqa: F401  (registers torch.ops.xmix.site and site_cols)
 
 
 def _llama_table(n_layers: int) -> list[tuple[str, str, dict[str, list[str]]]]:
@@ -29,9 +39,16 @@ def _llama_table(n_layers: int) -> list[tuple[str, str, dict[str, list[str]]]]:
         table += [
             (f"model.layers.{L}.input_layernorm", "norm",
              {"sum": resid_in, "normalized": [f"blocks.{L}.ln1.hook_normalized"]}),
+            # q, k before rotary_emb, which rewrites them in place (TL's hook_q/k are pre-rotary)
+            (f"model.layers.{L}.self_attn.qkv_proj", "split",
+             {"q": [f"blocks.{L}.attn.hook_q"], "k": [f"blocks.{L}.attn.hook_k"], "v": [f"blocks.{L}.attn.hook_v"]}),
+            (f"model.layers.{L}.self_attn.o_proj", "before", {"in": [f"blocks.{L}.attn.hook_z"]}),
             (f"model.layers.{L}.self_attn", "after", {"out": [f"blocks.{L}.hook_attn_out"]}),
             (f"model.layers.{L}.post_attention_layernorm", "norm",
              {"sum": [f"blocks.{L}.hook_resid_mid"], "normalized": [f"blocks.{L}.ln2.hook_normalized"]}),
+            # the gate half of gate_up_proj's output, before SiluAndMul
+            (f"model.layers.{L}.mlp.gate_up_proj", "split", {"gate": [f"blocks.{L}.mlp.hook_pre"], "up": []}),
+            (f"model.layers.{L}.mlp.down_proj", "before", {"in": [f"blocks.{L}.mlp.hook_post"]}),
             (f"model.layers.{L}.mlp", "after", {"out": [f"blocks.{L}.hook_mlp_out"]}),
         ]
     table.append(("model.norm", "norm",
@@ -49,10 +66,15 @@ def _gpt2_table(n_layers: int) -> list[tuple[str, str, dict[str, list[str]]]]:
         table += [
             (block, "before", {"in": [f"blocks.{L}.hook_resid_pre"]}),
             (f"{block}.ln_1", "norm", {"sum": [], "normalized": [f"blocks.{L}.ln1.hook_normalized"]}),
+            (f"{block}.attn.c_attn", "split",
+             {"q": [f"blocks.{L}.attn.hook_q"], "k": [f"blocks.{L}.attn.hook_k"], "v": [f"blocks.{L}.attn.hook_v"]}),
+            (f"{block}.attn.c_proj", "before", {"in": [f"blocks.{L}.attn.hook_z"]}),
             (f"{block}.attn", "after", {"out": [f"blocks.{L}.hook_attn_out"]}),
             # GPT-2's block keeps `residual = hidden_states` before ln_2: the in-place write reaches it
             (f"{block}.ln_2", "norm", {"sum": [f"blocks.{L}.hook_resid_mid"],
                                        "normalized": [f"blocks.{L}.ln2.hook_normalized"]}),
+            (f"{block}.mlp.c_fc", "after", {"out": [f"blocks.{L}.mlp.hook_pre"]}),
+            (f"{block}.mlp.c_proj", "before", {"in": [f"blocks.{L}.mlp.hook_post"]}),
             (f"{block}.mlp", "after", {"out": [f"blocks.{L}.hook_mlp_out"]}),
             (block, "after", {"out": [f"blocks.{L}.hook_resid_post"]}),
         ]
@@ -68,6 +90,36 @@ def site_names(family: str, n_layers: int) -> list[str]:
     return [name for _, _, groups in SITE_TABLES[family](n_layers) for names in groups.values() for name in names]
 
 
+def _dims(cfg) -> dict[str, int]:
+    """d_model, n_heads, n_kv_heads, d_head, d_mlp from an HF config (Llama or GPT-2; GPT2Config maps
+    hidden_size / num_attention_heads to n_embd / n_head) or a TransformerLens-style config."""
+    def first(*names):
+        return next((v for n in names if (v := getattr(cfg, n, None)) is not None), None)
+
+    d_model = first("hidden_size", "n_embd", "d_model")
+    n_heads = first("num_attention_heads", "n_head", "n_heads")
+    return {"d_model": d_model, "n_heads": n_heads,
+            "n_kv_heads": first("num_key_value_heads", "n_key_value_heads") or n_heads,
+            "d_head": first("head_dim", "d_head") or d_model // n_heads,
+            "d_mlp": first("intermediate_size", "n_inner", "d_mlp") or 4 * d_model}
+
+
+def feature_shape(family: str, name: str, hf_config_like) -> tuple[int, ...]:
+    """The per-token feature shape of a hook point's act, as in TransformerLens: act is
+    [batch, pos, *feature_shape]; the site tensor's row is that shape flattened."""
+    if family not in SITE_TABLES:
+        raise ValueError(f"unknown family {family!r}")
+    d = _dims(hf_config_like)
+    point = re.sub(r"^blocks\.\d+\.", "", name)
+    if point in ("attn.hook_q", "attn.hook_z"):
+        return (d["n_heads"], d["d_head"])
+    if point in ("attn.hook_k", "attn.hook_v"):
+        return (d["n_kv_heads"], d["d_head"])
+    if point in ("mlp.hook_pre", "mlp.hook_post"):
+        return (d["d_mlp"],)
+    return (d["d_model"],)
+
+
 def _run_sites(x: torch.Tensor, site_ids: list[int]) -> None:
     for site_id in site_ids:
         torch.ops.xmix.site(x, site_id)
@@ -78,7 +130,26 @@ def _wrap_after(module: nn.Module, site_ids: list[int]) -> None:
 
     def forward(*args, **kwargs):
         out = inner(*args, **kwargs)
-        _run_sites(out, site_ids)
+        _run_sites(out[0] if isinstance(out, tuple) else out, site_ids)
+        return out
+
+    module.forward = forward
+
+
+def _wrap_split(module: nn.Module, parts: list[list[int]]) -> None:
+    """Sites on column slices of the output: part i is columns [sum(sizes[:i]), sum(sizes[:i+1]))."""
+    sizes = list(module.output_partition_sizes)
+    if len(sizes) != len(parts):
+        raise ValueError(f"{type(module).__name__} has {len(sizes)} output parts, the site table names {len(parts)}")
+    bounds = [(sum(sizes[:i]), sum(sizes[:i + 1])) for i in range(len(sizes))]
+    inner = module.forward
+
+    def forward(*args, **kwargs):
+        out = inner(*args, **kwargs)
+        y = out[0] if isinstance(out, tuple) else out
+        for (lo, hi), site_ids in zip(bounds, parts):
+            for site_id in site_ids:  # on the whole output: see site_op.py for why not on a view
+                torch.ops.xmix.site_cols(y, site_id, lo, hi)
         return out
 
     module.forward = forward
@@ -142,6 +213,10 @@ def install_sites(model: nn.Module, family: str, n_layers: int, armed: set[str])
             sum_ids, normalized_ids = armed_ids(groups["sum"]), armed_ids(groups["normalized"])
             if sum_ids or normalized_ids:
                 _wrap_norm(module, sum_ids, normalized_ids)
+        elif placement == "split":
+            parts = [armed_ids(group) for group in groups.values()]
+            if any(parts):
+                _wrap_split(module, parts)
         elif ids := armed_ids(groups.get("in", groups.get("out", []))):
             (_wrap_before if placement == "before" else _wrap_after)(module, ids)
     return names

@@ -1,0 +1,369 @@
+"""Generated per-token kernels (interpreter, CPU) against their torch twin, the twin against loops."""
+
+import inspect
+import math
+import zlib
+
+import pytest
+import torch
+from triton.runtime.interpreter import InterpretedFunction
+
+from xmix_lens.kernels import generated
+from xmix_lens.lowered import TokenOp, TokenProgram
+
+SENTINEL = 12345.0
+# Rows past R and padding lanes compute on zeros (0 / 0, log 0) and are never stored: numpy, which
+# runs the interpreter, warns about them all the same.
+pytestmark = pytest.mark.filterwarnings("ignore:(invalid value|divide by zero) encountered:RuntimeWarning")
+
+
+@pytest.fixture
+def gen(request):
+    """A generator seeded differently for every test and parameter set."""
+    return torch.Generator().manual_seed(zlib.crc32(request.node.name.encode()))
+
+
+def randn(*shape, gen, dtype=torch.float32):
+    return torch.randn(*shape, generator=gen).to(dtype)
+
+
+def random_subset(n, k, gen):
+    """k distinct indices of range(n), in random order, as int32."""
+    return torch.randperm(n, generator=gen)[:k].to(torch.int32)
+
+
+def assert_matches(actual, expected):
+    """fp32: ~1e-5 relative. bf16: one bf16 ulp apart (the interpreter truncates to bf16, torch
+    rounds to nearest) plus fp32 noise, which matters where terms cancel to near 0."""
+    assert actual.dtype == expected.dtype
+    if actual.dtype == torch.float32:
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-4)
+    else:
+        actual, expected = actual.float(), expected.float()
+        larger = torch.maximum(actual.abs(), expected.abs())
+        ulp = torch.ldexp(torch.ones_like(larger), torch.frexp(larger).exponent - 8)
+        excess = (actual - expected).abs() - ulp - 1e-4
+        assert (excess <= 0).all(), f"more than one bf16 ulp apart, by up to {excess.max()}"
+
+
+class Program:
+    """Builds a TokenProgram by hand: each method appends an op and returns its index."""
+
+    def __init__(self):
+        self.ops, self.consts = [], []
+
+    def op(self, name, *args, shape):
+        self.ops.append(TokenOp(name, args, tuple(shape)))
+        return len(self.ops) - 1
+
+    def const(self, tensor, op="const"):
+        self.consts.append(tensor.float().contiguous())
+        shape = tensor.shape[1:] if op == "table" else tensor.shape
+        return self.op(op, len(self.consts) - 1, shape=shape)
+
+    def matmul(self, a, W):
+        self.consts.append(W.contiguous())
+        return self.op("matmul", a, len(self.consts) - 1, shape=(W.shape[1],))
+
+    def build(self, output=None):
+        return TokenProgram(self.ops, self.consts, len(self.ops) - 1 if output is None else output)
+
+
+# --- the programs: (program, table rows or None), a write unless the result is not (F,) ----------
+def steering_gate(F, gen):
+    """x + relu(x . d) * v"""
+    p = Program()
+    x = p.op("x", shape=(F,))
+    gate = p.op("relu", p.op("sum", p.op("mul", x, p.const(randn(F, gen=gen)), shape=(F,)), shape=()), shape=())
+    p.op("add", x, p.op("mul", gate, p.const(randn(F, gen=gen)), shape=(F,)), shape=(F,))
+    return p.build()
+
+
+def clamp(F, gen, low=-0.5, high=0.75):
+    p = Program()
+    p.op("clamp", p.op("x", shape=(F,)), low, high, shape=(F,))
+    return p.build()
+
+
+def softmax_dot(F, gen):
+    """softmax(x) . q, a scalar read"""
+    p = Program()
+    attention = p.op("softmax", p.op("x", shape=(F,)), shape=(F,))
+    p.op("sum", p.op("mul", attention, p.const(randn(F, gen=gen)), shape=(F,)), shape=())
+    return p.build()
+
+
+def gated_ablation(F, gen, threshold=0.5):
+    """where(x . q > threshold, x * 0, x)"""
+    p = Program()
+    x = p.op("x", shape=(F,))
+    score = p.op("sum", p.op("mul", x, p.const(randn(F, gen=gen) / F**0.5), shape=(F,)), shape=())
+    p.op("where", p.op("gt", score, threshold, shape=()), p.op("mul", x, 0.0, shape=(F,)), x, shape=(F,))
+    return p.build()
+
+
+def norm_rescale(F, gen):
+    """x / |x| * c, c a () const"""
+    p = Program()
+    x = p.op("x", shape=(F,))
+    unit = p.op("div", x, p.op("norm", x, shape=()), shape=(F,))
+    p.op("mul", unit, p.const(torch.tensor(3.0)), shape=(F,))
+    return p.build()
+
+
+def patching(F, gen, N=7):
+    """x + alpha[t] * (cache[t] - x): per-token tables, a vector one and a scalar one"""
+    p = Program()
+    x = p.op("x", shape=(F,))
+    difference = p.op("sub", p.const(randn(N, F, gen=gen), op="table"), x, shape=(F,))
+    p.op("add", x, p.op("mul", p.const(torch.rand(N, generator=gen), op="table"), difference, shape=(F,)), shape=(F,))
+    return p.build()
+
+
+def sae_features(p, F, gen, k, activation, top):
+    """relu(x @ W_enc + b_enc), or relu(topk_mask(x @ W_enc + b_enc, top))"""
+    pre = p.op("add", p.matmul(p.op("x", shape=(F,)), randn(F, k, gen=gen) / F**0.5), p.const(randn(k, gen=gen) * 0.1),
+               shape=(k,))
+    if activation == "topk":
+        pre = p.op("topk_mask", pre, top, shape=(k,))
+    return p.op("relu", pre, shape=(k,))
+
+
+def sae_clamp(F, gen, k=256, activation="relu", top=8, feature=5, value=4.0):
+    """x + (value - f_i) * W_dec[i]: clamps SAE feature i, keeping the reconstruction error"""
+    p = Program()
+    f = sae_features(p, F, gen, k, activation, top)
+    f_i = p.matmul(f, torch.nn.functional.one_hot(torch.tensor([feature]), k).float().T)  # (1,)
+    step = p.matmul(p.op("sub", value, f_i, shape=(1,)), randn(1, F, gen=gen))  # a scaled row
+    p.op("add", 0, step, shape=(F,))
+    return p.build()
+
+
+def sae_reconstruction(F, gen, k=256, activation="relu", top=8):
+    """relu(x @ W_enc + b_enc) @ W_dec + b_dec, read: the decoder's input is staged through scratch"""
+    p = Program()
+    f = sae_features(p, F, gen, k, activation, top)
+    p.op("add", p.matmul(f, randn(k, F, gen=gen) / k**0.5), p.const(randn(F, gen=gen)), shape=(F,))
+    return p.build()
+
+
+def sae_feature_read(F, gen, k=256):
+    """the k SAE features, read"""
+    p = Program()
+    sae_features(p, F, gen, k, "topk", 16)
+    return p.build()
+
+
+def norm_read(F, gen):
+    p = Program()
+    p.op("norm", p.op("x", shape=(F,)), shape=())
+    return p.build()
+
+
+WRITES = [steering_gate, clamp, gated_ablation, norm_rescale, patching, sae_clamp]
+READS = [softmax_dot, norm_read, sae_reconstruction, sae_feature_read]
+
+
+def run_both(make, F, dtype, gen, T=40, R=27, capacity=50):
+    """The launcher and the twin on one random case; asserts they agree and touch only their rows."""
+    program = make(F, gen)
+    x = randn(T, F, gen=gen, dtype=dtype)
+    rows = random_subset(T, R, gen)
+    table_index = torch.randint(0, 7, (R,), generator=gen, dtype=torch.int32)
+    if program.ops[program.output].shape == (F,) and make not in READS:
+        expected, actual = x.clone(), x.clone()
+        generated.run_program_torch(expected, rows, program, table_index)
+        generated.run_program(actual, rows, program, table_index)
+        untouched = torch.ones(T, dtype=torch.bool)
+        untouched[rows.long()] = False
+        assert torch.equal(actual[untouched], x[untouched])  # bit for bit
+        assert_matches(actual[rows.long()], expected[rows.long()])
+    else:
+        width = math.prod(program.ops[program.output].shape)
+        dest = random_subset(capacity, R, gen)
+        poisoned = torch.full((capacity, width), SENTINEL)
+        expected, actual = poisoned.clone(), poisoned.clone()
+        generated.run_program_torch(x, rows, program, table_index, expected, dest)
+        generated.run_program(x, rows, program, table_index, actual, dest)
+        unwritten = torch.ones(capacity, dtype=torch.bool)
+        unwritten[dest.long()] = False
+        assert torch.equal(actual[unwritten], poisoned[unwritten])
+        assert_matches(actual[dest.long()], expected[dest.long()])
+
+
+# --- the launcher against the twin ---------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("make", WRITES + READS)
+def test_launcher_matches_twin(make, dtype, gen):
+    F = 64 if make.__name__.startswith("sae") else 200  # SAEs: n = 64, k = 256; else F not a power of two
+    run_both(make, F, dtype, gen)
+
+
+@pytest.mark.parametrize("F, k", [(64, 256), (96, 200)])
+@pytest.mark.parametrize("activation", ["relu", "topk"])
+def test_sae_clamp_matches_plain_torch(activation, F, k, gen):
+    """x + (c - f_i) * W_dec[i], with f = relu(x @ W_enc + b) or relu(top-k of it), as one would write it."""
+    top, feature, value = 8, 5, 4.0
+    program = sae_clamp(F, gen, k, activation, top, feature, value)
+    W_enc, b_enc, W_dec_i = program.consts[0], program.consts[1], program.consts[3][0]
+    x = randn(20, F, gen=gen)
+    rows = random_subset(20, 13, gen)
+
+    pre = x[rows.long()] @ W_enc + b_enc
+    if activation == "topk":
+        pre = torch.where(pre >= pre.topk(top, dim=-1).values[:, -1:], pre, 0.0)
+    f_i = pre.relu()[:, feature]
+    expected = x.clone()
+    expected[rows.long()] += (value - f_i)[:, None] * W_dec_i
+    generated.run_program(x, rows, program, None)
+    assert_matches(x, expected)
+
+
+@pytest.mark.parametrize("name", ["neg", "abs", "relu", "gelu", "sigmoid", "tanh", "exp", "log", "logical_not",
+                                  "pow 2", "pow -3", "pow 0.5", "pow -0.5", "pow 1.5", "pow 7",
+                                  "mean", "max", "min", "sum", "softmax", "topk_mask 3", "ge", "lt", "le", "eq",
+                                  "ne", "logical_and", "logical_or", "clamp low", "clamp high", "unsqueeze"])
+def test_every_op(name, gen):
+    """Each op once, as a read of F = 96 features (log and fractional pows see |x| + 0.5)."""
+    F = 96
+    p = Program()
+    x = p.op("x", shape=(F,))
+    name, _, number = name.partition(" ")
+    if name in ("log", "pow") and number not in ("2", "-3", "7"):
+        x = p.op("add", p.op("abs", x, shape=(F,)), 0.5, shape=(F,))
+    if name == "pow":
+        p.op("pow", x, float(number), shape=(F,))
+    elif name == "topk_mask":
+        p.op("topk_mask", x, int(number), shape=(F,))
+    elif name == "clamp":
+        p.op("clamp", x, -0.3 if number == "low" else None, 0.2 if number == "high" else None, shape=(F,))
+    elif name in ("mean", "max", "min", "sum"):
+        p.op(name, x, shape=())
+    elif name == "unsqueeze":
+        p.op("unsqueeze", p.op("max", x, shape=()), shape=(1,))
+    elif name in ("logical_and", "logical_or"):
+        positive = p.op("gt", x, 0.0, shape=(F,))
+        p.op(name, positive, p.const(torch.randint(0, 2, (F,), generator=gen).float()), shape=(F,))
+    elif name in generated._BINARY:  # against the row's maximum, so that one lane ties
+        p.op(name, x, p.op("max", x, shape=()), shape=(F,))
+    else:
+        p.op(name, x, shape=(F,))
+    run_both(lambda F, gen: p.build(), F, torch.float32, gen)
+
+
+# --- the twin against loops ----------------------------------------------------------------------
+def test_twin_matches_a_loop(gen):
+    """steering_gate and softmax_dot, token by token and feature by feature."""
+    T, F = 5, 3
+    x = randn(T, F, gen=gen)
+    rows = torch.tensor([4, 0, 2], dtype=torch.int32)
+
+    gate = steering_gate(F, gen)
+    d, v = gate.consts
+    expected = x.clone()
+    for r in rows.tolist():
+        g = max(sum(x[r, f] * d[f] for f in range(F)), 0.0)
+        for f in range(F):
+            expected[r, f] = x[r, f] + g * v[f]
+    actual = x.clone()
+    generated.run_program_torch(actual, rows, gate, None)
+    torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-6)
+
+    attend = softmax_dot(F, gen)
+    (q,) = attend.consts
+    out, dest = torch.full((4, 1), SENTINEL), torch.tensor([1, 3, 0], dtype=torch.int32)
+    expected = out.clone()
+    for i, r in enumerate(rows.tolist()):
+        exps = [math.exp(float(x[r, f])) for f in range(F)]
+        expected[dest[i], 0] = sum(e / sum(exps) * float(q[f]) for f, e in enumerate(exps))
+    generated.run_program_torch(x, rows, attend, None, out, dest)
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("k, kept", [(1, [3, 0, 3, 0, 0]), (2, [3, 0, 3, 0, 0]), (3, [3, 0, 3, 2, 0]), (5, [3, 1, 3, 2, -1])])
+def test_topk_mask_keeps_ties(k, kept):
+    """The k-th largest counts tied values once each; every lane tied with it stays."""
+    p = Program()
+    p.op("topk_mask", p.op("x", shape=(5,)), k, shape=(5,))
+    program = p.build()
+    x = torch.tensor([[3.0, 1.0, 3.0, 2.0, -1.0]])
+    rows = torch.tensor([0], dtype=torch.int32)
+    for run in (generated.run_program_torch, generated.run_program):
+        out = torch.full((1, 5), SENTINEL)
+        run(x, rows, program, None, out, rows)
+        assert out[0].tolist() == kept
+
+
+# --- generation: once per structure ----------------------------------------------------------------
+def test_new_constants_and_numbers_reuse_the_kernel(gen):
+    F = 97  # no other test uses it: their kernels are cached too
+    generations = len(generated._kernels)
+    first, seconds = generated.generate_kernel(sae_clamp(F, gen, k=128, activation="topk", top=4, value=1.0), F)
+    again, seconds_again = generated.generate_kernel(sae_clamp(F, gen, k=128, activation="topk", top=9, value=-2.0), F)
+    assert again is first and seconds_again == 0.0 and len(generated._kernels) == generations + 1
+    assert first.seconds > 0 and inspect.getsource(first.fn.fn).startswith("@triton.jit")
+    assert isinstance(first.fn, InterpretedFunction)  # conftest set TRITON_INTERPRET=1 before the import
+    other, other_seconds = generated.generate_kernel(sae_clamp(F, gen, k=64, activation="topk"), F)
+    assert other is not first and other_seconds > 0 and len(generated._kernels) == generations + 2
+
+    # the kernel reads the numbers (k, the clamp value, the bounds) at launch
+    for high in (0.25, 1.5):
+        program = clamp(F, gen, high=high)
+        kernel, _ = generated.generate_kernel(program, F)
+        x = randn(20, F, gen=gen)
+        rows = random_subset(20, 11, gen)
+        expected, actual = x.clone(), x.clone()
+        generated.run_program_torch(expected, rows, program, None)
+        kernel(actual, rows, program, None)
+        assert torch.equal(actual, expected)
+    assert generated.generate_kernel(clamp(F, gen, high=None), F)[1] > 0  # a missing bound is structure
+
+
+def test_docstring_example_is_current(gen):
+    """The module docstring shows the kernel generated for steering_gate with F = 200."""
+    kernel, _ = generated.generate_kernel(steering_gate(200, gen), 200)
+    code = kernel.source[kernel.source.index("@triton.jit"):].rstrip("\n")
+    print(kernel.source)
+    assert "\n".join("    " + line if line else "" for line in code.split("\n")) in generated.__doc__
+
+
+def test_no_rows_is_a_no_op(gen):
+    x, out = randn(8, 96, gen=gen), torch.full((4, 1), SENTINEL)
+    none = torch.zeros(0, dtype=torch.int32)
+    before_x, before_out = x.clone(), out.clone()
+    for run in (generated.run_program, generated.run_program_torch):
+        run(x, none, steering_gate(96, gen), None)
+        run(x, none, softmax_dot(96, gen), None, out, none)
+    assert torch.equal(x, before_x) and torch.equal(out, before_out)
+
+
+# --- what is refused ---------------------------------------------------------------------------------
+def test_malformed_programs_are_refused(gen):
+    F, x = 96, randn(4, 96, gen=gen)
+    rows = torch.arange(4, dtype=torch.int32)
+    p = Program()
+    p.op("sum", p.op("x", shape=(F,)), shape=(F,))
+    with pytest.raises(ValueError, match=r"op 1 \(sum\): declared shape \(96,\)"):
+        generated.run_program(x, rows, p.build(), None)
+    p = Program()
+    p.op("add", p.op("x", shape=(F,)), p.const(torch.ones(5)), shape=(F,))
+    with pytest.raises(ValueError, match="do not broadcast"):
+        generated.run_program_torch(x, rows, p.build(), None)
+    with pytest.raises(ValueError, match="a write's result has shape"):
+        generated.run_program(x, rows, softmax_dot(F, gen), None)
+    with pytest.raises(ValueError, match="const 0 must be fp32"):
+        program = steering_gate(F, gen)
+        program.consts[0] = program.consts[0][:50]
+        generated.run_program(x, rows, program, None)
+
+
+def test_limits_are_named(gen):
+    wide = Program()
+    wide.matmul(wide.op("x", shape=(96,)), torch.zeros(96, generated.MAX_LANES + 1))
+    with pytest.raises(NotImplementedError, match=r"op 1 \(matmul\): a value of 8193 features"):
+        generated.generate_kernel(wide.build(), 96)
+    many = Program()
+    many.op("topk_mask", many.op("x", shape=(200,)), generated.MAX_TOPK + 1, shape=(200,))
+    x, rows = randn(2, 200, gen=gen), torch.arange(2, dtype=torch.int32)
+    with pytest.raises(NotImplementedError, match=r"op 1 \(topk_mask\): k = 129"):
+        generated.run_program(x, rows, many.build(), None, torch.zeros(2, 200), rows)

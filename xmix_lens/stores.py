@@ -1,0 +1,97 @@
+"""Stores: values one hook writes and a later hook reads, per request, inside the engine.
+
+    from xmix_lens import store
+
+    def probe(act, hook):                        # blocks.3.hook_resid_post
+        store.put("harm", act @ w, reduce="mean")  # mean over the prompt's positions, per request
+    def refuse(act, hook):                       # blocks.14.hook_resid_post
+        return act + (store.get("harm") > 0.5)[..., None] * refusal_dir
+
+`store.get(name)` has the layout of an activation, [batch, pos, *value features]: a per-token
+value (no `reduce`) is read at the same position that wrote it; a per-request value (`reduce`
+"mean", "sum" or "max" over the prompt, or `put` of one selected position such as `act[:, -1]`)
+is the same at every position of the request. Values live on the device for as long as the
+request does; the host never sees them unless a hook also keeps them (a read).
+
+Writing a traced value into a plain dict and using it in a later hook (`ctx["s"] = act @ w`, then
+`act + ctx["s"][..., None] * v`) works too: it is a per-token store.
+"""
+from dataclasses import dataclass, field
+
+import torch
+
+REDUCTIONS = ("mean", "sum", "max")
+
+
+@dataclass(eq=False)
+class StoreSpec:
+    """One store of a pass: where it is written, how, and the device buffer consumers read."""
+
+    name: str
+    reduce: str | None  # None: per token; "last": the value of one selected position; or REDUCTIONS
+    feature_shape: tuple[int, ...]
+    buffer: torch.Tensor | None = None  # [B, P, O]: what consumers read at (row, position)
+    accumulator: torch.Tensor | None = None  # [B, O] running sum / max for reductions
+    count: torch.Tensor | None = None  # [B] positions folded into the accumulator
+
+    def __repr__(self) -> str:
+        return f"store({self.name!r})"
+
+
+@dataclass
+class TraceSession:
+    """The stores of the pass being traced (one per forward pass)."""
+
+    batch: int
+    padded_len: int
+    stores: dict[str, StoreSpec] = field(default_factory=dict)
+
+    def allocate(self) -> None:
+        for spec in self.stores.values():
+            O = 1
+            for s in spec.feature_shape:
+                O *= s
+            spec.buffer = torch.zeros(self.batch, self.padded_len, O)
+            spec.accumulator = torch.full((self.batch, O), -torch.inf if spec.reduce == "max" else 0.0)
+            spec.count = torch.zeros(self.batch)
+
+
+_session: TraceSession | None = None
+
+
+def begin(session: TraceSession | None) -> None:
+    global _session
+    _session = session
+
+
+class RequestStore:
+    """The `store` object hooks use: put() in one hook, get() in a later one."""
+
+    def put(self, name: str, value, reduce: str | None = None) -> None:
+        from .trace import TracedTensor
+
+        if _session is None or not isinstance(value, TracedTensor):
+            raise RuntimeError("store.put works inside a hook while xmix-lens traces it, with a value computed "
+                               "from act")
+        if reduce is not None and reduce not in REDUCTIONS:
+            raise ValueError(f"reduce={reduce!r}: use one of {REDUCTIONS} or None (per token)")
+        if name in _session.stores:
+            raise ValueError(f"store {name!r} is written twice in one pass; use another name")
+        value._tracer.store_put(name, value, reduce, _session)
+
+    def get(self, name: str):
+        from .trace import current_tracer
+
+        tracer = current_tracer()
+        if _session is None or tracer is None:
+            raise RuntimeError("store.get works inside a hook while xmix-lens traces it")
+        if name not in _session.stores:
+            raise KeyError(f"store {name!r} is read before any hook writes it (stores written so far: "
+                           f"{sorted(_session.stores)}); put it in a hook at an earlier hook point")
+        return tracer.store_get(_session.stores[name])
+
+    __setitem__ = put
+    __getitem__ = get
+
+
+store = RequestStore()

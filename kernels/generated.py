@@ -520,7 +520,8 @@ def _arguments(plan: _Plan, x, rows, program, table_index, out, dest):
         number = program.ops[i].args[j]
         if plan.ops[i][0] == "topk_mask" and not 1 <= number <= plan.widths[i]:
             raise ValueError(f"op {i} (topk_mask): k = {number} with {plan.widths[i]} features")
-        numbers.append(number)
+        # bounds as floats: an int would reach Triton as an i32 argument, another signature to compile
+        numbers.append(number if plan.ops[i][0] == "topk_mask" else float(number))
     return consts, numbers
 
 

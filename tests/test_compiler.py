@@ -23,12 +23,12 @@ def run_lowered(fns, act: torch.Tensor):
     kept = tracer.finish()
     ops = lower(tracer.graph)
     runtime = SiteRuntime("llama", [SITE], {SITE})
-    p = runtime.open_pass(B, P, {SITE: ops}, [0] * B)
+    p = runtime.open_pass([P] * B, [0] * B, (P, {SITE: ops}))
     runtime.step = StepTokens(torch.zeros(B * P, dtype=torch.long), torch.arange(B).repeat_interleave(P),
-                              torch.arange(P).repeat(B))
+                              torch.zeros(B * P, dtype=torch.bool), torch.arange(P).repeat(B))
     x = act.reshape(B * P, -1).clone()
     runtime.run_site(x, 0)
-    reads = [p.result((SITE, k)) for k in range(len(kept))]
+    reads = [p.result(("prefill", SITE, k)) for k in range(len(kept))]
     return x.reshape(act.shape), reads, tracer.graph, ops
 
 

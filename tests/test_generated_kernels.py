@@ -1,11 +1,16 @@
 """Generated per-token kernels (interpreter, CPU) against their torch twin, the twin against loops."""
 
 import inspect
+import json
 import math
+import os
+import subprocess
+import sys
 import zlib
 
 import pytest
 import torch
+import triton
 from triton.runtime.interpreter import InterpretedFunction
 
 from xmix_lens.kernels import generated
@@ -219,13 +224,13 @@ def test_sae_clamp_matches_plain_torch(activation, F, k, gen):
     assert_matches(x, expected)
 
 
-@pytest.mark.parametrize("name", ["neg", "abs", "relu", "gelu", "sigmoid", "tanh", "exp", "log", "logical_not",
-                                  "pow 2", "pow -3", "pow 0.5", "pow -0.5", "pow 1.5", "pow 7",
-                                  "mean", "max", "min", "sum", "softmax", "topk_mask 3", "ge", "lt", "le", "eq",
-                                  "ne", "logical_and", "logical_or", "clamp low", "clamp high", "unsqueeze"])
-def test_every_op(name, gen):
-    """Each op once, as a read of F = 96 features (log and fractional pows see |x| + 0.5)."""
-    F = 96
+EVERY_OP = ["neg", "abs", "relu", "gelu", "sigmoid", "tanh", "exp", "log", "logical_not", "pow 2", "pow -3", "pow 0.5",
+            "pow -0.5", "pow 1.5", "pow 7", "mean", "max", "min", "sum", "softmax", "topk_mask 3", "ge", "lt", "le",
+            "eq", "ne", "logical_and", "logical_or", "clamp low", "clamp high", "unsqueeze"]
+
+
+def one_op(name, F, gen):
+    """One op applied to x, written back when (F,) (log and fractional pows see |x| + 0.5)."""
     p = Program()
     x = p.op("x", shape=(F,))
     name, _, number = name.partition(" ")
@@ -248,7 +253,12 @@ def test_every_op(name, gen):
         p.op(name, x, p.op("max", x, shape=()), shape=(F,))
     else:
         p.op(name, x, shape=(F,))
-    run_both(lambda F, gen: p.build(), F, torch.float32, gen)
+    return p.build()
+
+
+@pytest.mark.parametrize("name", EVERY_OP)
+def test_every_op(name, gen):
+    run_both(lambda F, gen: one_op(name, F, gen), 96, torch.float32, gen)
 
 
 # --- the twin against loops ----------------------------------------------------------------------
@@ -367,3 +377,47 @@ def test_limits_are_named(gen):
     x, rows = randn(2, 200, gen=gen), torch.arange(2, dtype=torch.int32)
     with pytest.raises(NotImplementedError, match=r"op 1 \(topk_mask\): k = 129"):
         generated.run_program(x, rows, many.build(), None, torch.zeros(2, 200), rows)
+
+
+# --- the real compiler ---------------------------------------------------------------------------
+def sm90_job(make, F, write):
+    """What compiling make(F)'s kernel for an sm_90 GPU (H100, H200) with bf16 x takes."""
+    kernel, _ = generated.generate_kernel(make(F, torch.Generator().manual_seed(0)), F)
+    plan = kernel.plan
+    pointers = {"x_ptr": "*bf16", "rows_ptr": "*i32", "table_index_ptr": "*i32", "dest_ptr": "*i32",
+                "out_ptr": "*bf16" if write else "*fp32", "scratch_ptr": "*fp32"}
+    signature = {name: pointers.get(name, "*fp32" if name.endswith("_ptr") else "i32") for name in kernel.fn.arg_names}
+    for m, (i, _) in enumerate(plan.numbers):
+        signature[f"s{m}"] = "i32" if plan.ops[i][0] == "topk_mask" else "fp32"
+    constexprs = {"WRITE": write, "BLOCK_ROWS": plan.block_rows, "SCRATCH_WIDTH": plan.scratch_width}
+    signature.update(dict.fromkeys(constexprs, "constexpr"))
+    return str(kernel.path), signature, constexprs, plan.num_warps
+
+
+# Runs in a process of its own: there the generated files import as plain @triton.jit kernels
+# (the interpreter, on in this process, also patches triton.language, which compiling needs).
+COMPILE = """
+import importlib.util, json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+for path, signature, constexprs, num_warps in json.load(sys.stdin):
+    spec = importlib.util.spec_from_file_location("generated_kernel", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    source = ASTSource(fn=module.program_kernel, signature=signature, constexprs=constexprs)
+    triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+"""
+
+
+@pytest.mark.skipif("nvidia" not in triton.backends.backends, reason="Triton without its NVIDIA backend")
+def test_kernels_compile_for_a_gpu():
+    """The interpreter runs code that Triton's compiler refuses; CI has no GPU, but compiling needs none."""
+    jobs = [sm90_job(make, 64 if make.__name__.startswith("sae") else 200, make in WRITES) for make in WRITES + READS]
+    for name in ("gelu", "tanh", "pow 1.5", "pow 7", "pow -0.5", "logical_or", "unsqueeze", "min", "mean", "clamp high"):
+        jobs.append(sm90_job(lambda F, gen: one_op(name, F, gen), 96, False))
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", COMPILE], input=json.dumps(jobs), env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]

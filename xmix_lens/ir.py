@@ -64,6 +64,7 @@ class Node:
 class Graph:
     hook_name: str
     act_shape: tuple[int, ...]
+    phase: str = "prefill"  # "decode": the hooks as they run on each generated token
     nodes: list[Node] = field(default_factory=list)
     reads: dict[int, Node] = field(default_factory=dict)  # read key -> node whose value is read
     stores: dict = field(default_factory=dict)  # StoreSpec -> node whose value it takes (store.put)

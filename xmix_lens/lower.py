@@ -207,7 +207,9 @@ class Lowerer:
         elif n.op == "store":  # filled on the device by an earlier hook point, read per token
             spec = args[0]
             length = None if spec.feature_shape == () else _numel(spec.feature_shape)
-            self.forms[n] = Expr("table", (spec.buffer,), length, None, Span(), spec.feature_shape)
+            # generated tokens read the prompt's per-request value from its one-row-per-request buffer
+            table = spec.buffer if spec.buffer.shape[1] == self.P else spec.row_buffer
+            self.forms[n] = Expr("table", (table,), length, None, Span(), spec.feature_shape)
         elif n.op == "write":
             self.forms[n] = self.lower_write(n, ops)
         elif n.op in ("add", "sub") and all(isinstance(a, (Affine, torch.Tensor)) for a in args):
@@ -416,7 +418,7 @@ def lower(graph: Graph) -> list[LoweredOp]:
     lowerer = Lowerer(graph)
     reads_at: dict[Node, list] = {}  # version -> reads (to the host) and store puts of that version
     for key, n in graph.reads.items():
-        reads_at.setdefault(_version_of(n), []).append(((graph.hook_name, key), n, None))
+        reads_at.setdefault(_version_of(n), []).append(((graph.phase, graph.hook_name, key), n, None))
     for spec, n in graph.stores.items():
         reads_at.setdefault(_version_of(n), []).append((("store", spec.name), n, spec))
     writes: list[LoweredOp] = []

@@ -274,18 +274,12 @@ class HookedServedModel:
         if return_type not in ("logits", "loss", "both", None):
             raise ValueError(f"return_type {return_type!r}: use 'logits', 'loss', 'both' or None")
         tokens, mask, rows, offsets = self._rows(input, prepend_bos, padding_side, attention_mask)
-        B, P = tokens.shape
-        if max(len(r) for r in rows) > self.llm.llm_engine.model_config.max_model_len:
-            raise ValueError(f"a row has {max(len(r) for r in rows)} tokens; this engine's max_model_len is "
-                             f"{self.llm.llm_engine.model_config.max_model_len} (from_pretrained(max_model_len=...))")
-        ops, kept, _ = self._trace_hooks(B, P)
-        need_logits = return_type is not None
-        if need_logits:
-            ops.setdefault(_FINAL, []).append(Read(_LOGITS_KEY, None, True, None, None, (self.cfg.d_model,)))
-        p = self._run_pass(rows, offsets, P, ops)
-        for key, proxy in kept:
-            torch.utils.swap_tensors(proxy, p.result(key).to(self.cfg.dtype))
-        if not need_logits:
+        self._check_length(max(len(r) for r in rows))
+        traced = self._trace_hooks(*tokens.shape)
+        if return_type is not None:
+            traced.ops.setdefault(_FINAL, []).append(Read(_LOGITS_KEY, None, True, None, None, (self.cfg.d_model,)))
+        p, _ = self._run_pass(rows, offsets, traced, None, max_new_tokens=1, sampling={})
+        if return_type is None:
             return None
         logits = p.result(_LOGITS_KEY) @ self.W_U + self.b_U
         if return_type == "logits":
@@ -293,42 +287,88 @@ class HookedServedModel:
         loss = _next_token_loss(logits, tokens, mask, loss_per_token)
         return loss if return_type == "loss" else (logits, loss)
 
+    def generate(self, input, max_new_tokens: int = 10, stop_at_eos: bool = True, eos_token_id: int | None = None,
+                 do_sample: bool = True, top_k: int | None = None, top_p: float | None = None,
+                 temperature: float = 1.0, prepend_bos: bool | None = None, padding_side: str | None = None,
+                 return_type: str = "input", seed: int | None = None, fwd_hooks: Iterable[HookSpec] = (),
+                 verbose: bool = False):
+        """Sample continuations with the hooks on the prompt and on every generated token.
+
+        As TransformerLens's generate with its KV cache: each hook is traced for the prompt
+        (act [batch, pos, ...]) and for generated tokens (act [batch, 1, ...], the newest token).
+        Returns strings for string input (return_type "input" or "str"), else tokens [batch, pos + new]
+        with each row's prompt as given followed by its generated tokens (padded with the pad token)."""
+        if return_type not in ("input", "str", "tokens"):
+            raise ValueError(f"return_type {return_type!r}: use 'input', 'str' or 'tokens'")
+        if max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be at least 1")
+        tokens, mask, rows, offsets = self._rows(input, prepend_bos, padding_side, None)
+        self._check_length(max(len(r) for r in rows) + max_new_tokens)
+        sampling = {"temperature": temperature if do_sample else 0.0, "top_k": top_k if do_sample and top_k else 0,
+                    "top_p": top_p if do_sample and top_p else 1.0, "seed": seed, "ignore_eos": not stop_at_eos}
+        if eos_token_id is not None:
+            sampling["stop_token_ids"] = [eos_token_id]
+        with self.hooks(fwd_hooks):
+            prompt = self._trace_hooks(*tokens.shape)
+            step = self._trace_hooks(tokens.shape[0], 1, inherited=prompt.per_request_stores, phase="decode")
+            _, outputs = self._run_pass(rows, offsets, prompt, step, max_new_tokens, sampling)
+        full = [r + list(out) for r, out in zip(rows, outputs)]
+        text_out = return_type == "str" or (return_type == "input" and not isinstance(input, torch.Tensor)
+                                            and (isinstance(input, str) or isinstance(input[0], str)))
+        if text_out:
+            texts = [self.tokenizer.decode(t) for t in full]
+            return texts[0] if isinstance(input, str) else texts
+        width = max(len(t) for t in full)
+        out = torch.full((len(full), width), self.tokenizer.pad_token_id, dtype=torch.long)
+        for i, t in enumerate(full):
+            out[i, : len(t)] = torch.tensor(t)
+        return out
+
+    def _check_length(self, n: int) -> None:
+        limit = self.llm.llm_engine.model_config.max_model_len
+        if n > limit:
+            raise ValueError(f"a request needs {n} positions; this engine's max_model_len is {limit} "
+                             f"(from_pretrained(max_model_len=...))")
+
     def explain(self, input="Hello world", fwd_hooks: Iterable[HookSpec] | None = None) -> str:
         """What the hooks (given, or those added to hook points) become: their IR and lowered ops.
 
         Tracing needs the pass's shape, so it is traced for `input` (nothing runs in the engine)."""
         tokens, _, _, _ = self._rows(input, None, None, None)
         with self.hooks(fwd_hooks or []):
-            ops, _, graphs = self._trace_hooks(*tokens.shape)
+            traced = self._trace_hooks(*tokens.shape)
         lines = []
-        for graph in graphs:
+        for graph in traced.graphs:
             lines += [str(graph), "  lowered to:"]
-            lines += [f"    {describe(op)}" for op in ops.get(graph.hook_name, [])]
+            lines += [f"    {describe(op)}" for op in traced.ops.get(graph.hook_name, [])]
         return "\n".join(lines) if lines else "no hooks"
 
-    def _trace_hooks(self, B: int, P: int):
-        """Trace every hook function once for this pass, in firing order, then lower each hook point.
-
-        Returns the lowered ops per hook point, the proxies the functions kept (future reads), and
-        the traced graphs."""
-        session = stores.TraceSession(B, P)
+    def _trace_hooks(self, B: int, P: int, inherited=None, phase: str = "prefill") -> "TracedHooks":
+        """Trace every hook function once for this view of the pass, in firing order, then lower
+        each hook point. `inherited`: the prompt's per-request stores, seen by generated tokens."""
+        session = stores.TraceSession(B, P, inherited=dict(inherited or {}))
         tracers, kept = [], []
         stores.begin(session)
         try:
             for name, hp in self.hook_dict.items():
                 if hp.fwd_hooks:
-                    tracer = Tracer(name, (B, P) + self.feature_shapes[name], self.cfg.dtype)
+                    tracer = Tracer(name, (B, P) + self.feature_shapes[name], self.cfg.dtype, phase)
                     for handle in list(hp.fwd_hooks):
                         tracer.call(handle.hook, hp)
-                    kept += [((name, key), p) for key, p in enumerate(tracer.finish())]
+                    kept += [((phase, name, key), p) for key, p in enumerate(tracer.finish())]
                     tracers.append(tracer)
         finally:
             stores.begin(None)
         session.allocate()
         ops = {t.graph.hook_name: site_ops for t in tracers if (site_ops := lower(t.graph))}
-        return ops, kept, [t.graph for t in tracers]
+        return TracedHooks(P, ops, kept, [t.graph for t in tracers], session.per_request())
 
-    def _run_pass(self, rows: list[list[int]], offsets: list[int], P: int, ops):
+    def _run_pass(self, rows: list[list[int]], offsets: list[int], prompt: "TracedHooks",
+                  step: "TracedHooks | None", max_new_tokens: int, sampling: dict):
+        """Run the rows as vLLM requests with the traced hooks; returns the pass and each row's new tokens.
+
+        The kept proxies of the hook functions become the values read (for generated tokens: the
+        last one's)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -336,18 +376,36 @@ class HookedServedModel:
         # A fresh cache salt per pass: KV computed under this pass's writes is never reused by
         # another pass, and every position is recomputed so that reads see all of them.
         salt = uuid.uuid4().hex
-        params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
-        p = self.runtime.open_pass(len(rows), P, ops, offsets)
+        params = SamplingParams(max_tokens=max_new_tokens, detokenize=False, **{"temperature": 0.0, **sampling})
+        p = self.runtime.open_pass([len(r) for r in rows], offsets, (prompt.padded_len, prompt.ops),
+                                   (step.padded_len, step.ops) if step is not None else None)
+        outputs: dict[str, list[int]] = {}
+        names = [f"xmix-{p.pass_id}-{row}" for row in range(len(rows))]
         try:
             for row, toks in enumerate(rows):
-                req_id = engine.add_request(f"xmix-{p.pass_id}-{row}", TokensPrompt(prompt_token_ids=toks, cache_salt=salt),
-                                            params)
-                p.rows[req_id] = row
+                # vLLM makes the id unique (a suffix); the model runner sees that one
+                internal = engine.add_request(names[row], TokensPrompt(prompt_token_ids=toks, cache_salt=salt), params)
+                p.rows[internal] = row
             while engine.has_unfinished_requests():
-                engine.step()
+                for out in engine.step():
+                    if out.finished:
+                        outputs[out.request_id] = out.outputs[0].token_ids
         finally:
             self.runtime.close_pass(p)
-        return p
+        for key, proxy in prompt.kept + (step.kept if step is not None else []):
+            torch.utils.swap_tensors(proxy, p.result(key).to(self.cfg.dtype))
+        return p, [list(outputs[name]) for name in names]
+
+
+@dataclass
+class TracedHooks:
+    """The hooks of one view of a pass (the prompt, or each generated token), traced and lowered."""
+
+    padded_len: int
+    ops: dict[str, list]  # hook point -> lowered ops
+    kept: list  # (read key, proxy) pairs: proxies the hook functions kept
+    graphs: list
+    per_request_stores: dict
 
 
 def _next_token_loss(logits: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor, per_token: bool):

@@ -13,6 +13,10 @@ value (no `reduce`) is read at the same position that wrote it; a per-request va
 is the same at every position of the request. Values live on the device for as long as the
 request does; the host never sees them unless a hook also keeps them (a read).
 
+While generating, hooks run on each new token (act is [batch, 1, ...]): a reduction keeps the
+prompt's value, so a prompt-level condition gates writes on every generated token; a per-token
+store or one position's value (`act[:, -1]`) is the newest token's.
+
 Writing a traced value into a plain dict and using it in a later hook (`ctx["s"] = act @ w`, then
 `act + ctx["s"][..., None] * v`) works too: it is a per-token store.
 """
@@ -31,6 +35,7 @@ class StoreSpec:
     reduce: str | None  # None: per token; "last": the value of one selected position; or REDUCTIONS
     feature_shape: tuple[int, ...]
     buffer: torch.Tensor | None = None  # [B, P, O]: what consumers read at (row, position)
+    row_buffer: torch.Tensor | None = None  # [B, 1, O]: a per-request value, for generated tokens
     accumulator: torch.Tensor | None = None  # [B, O] running sum / max for reductions
     count: torch.Tensor | None = None  # [B] positions folded into the accumulator
 
@@ -40,11 +45,19 @@ class StoreSpec:
 
 @dataclass
 class TraceSession:
-    """The stores of the pass being traced (one per forward pass)."""
+    """The stores of the hooks being traced: the prompt's (prefill), or the generated tokens'
+    (decode), which also see the prompt's per-request stores."""
 
     batch: int
     padded_len: int
     stores: dict[str, StoreSpec] = field(default_factory=dict)
+    inherited: dict[str, StoreSpec] = field(default_factory=dict)  # the prompt's, seen while decoding
+
+    def find(self, name: str) -> StoreSpec | None:
+        return self.stores.get(name) or self.inherited.get(name)
+
+    def per_request(self) -> dict[str, StoreSpec]:
+        return {name: spec for name, spec in self.stores.items() if spec.reduce is not None}
 
     def allocate(self) -> None:
         for spec in self.stores.values():
@@ -52,6 +65,7 @@ class TraceSession:
             for s in spec.feature_shape:
                 O *= s
             spec.buffer = torch.zeros(self.batch, self.padded_len, O)
+            spec.row_buffer = torch.zeros(self.batch, 1, O)
             spec.accumulator = torch.full((self.batch, O), -torch.inf if spec.reduce == "max" else 0.0)
             spec.count = torch.zeros(self.batch)
 
@@ -75,6 +89,8 @@ class RequestStore:
                                "from act")
         if reduce is not None and reduce not in REDUCTIONS:
             raise ValueError(f"reduce={reduce!r}: use one of {REDUCTIONS} or None (per token)")
+        if reduce is not None and name in _session.inherited:
+            return  # a reduction over the prompt: generated tokens keep the prompt's value
         if name in _session.stores:
             raise ValueError(f"store {name!r} is written twice in one pass; use another name")
         value._tracer.store_put(name, value, reduce, _session)
@@ -85,10 +101,12 @@ class RequestStore:
         tracer = current_tracer()
         if _session is None or tracer is None:
             raise RuntimeError("store.get works inside a hook while xmix-lens traces it")
-        if name not in _session.stores:
+        spec = _session.find(name)
+        if spec is None:
             raise KeyError(f"store {name!r} is read before any hook writes it (stores written so far: "
-                           f"{sorted(_session.stores)}); put it in a hook at an earlier hook point")
-        return tracer.store_get(_session.stores[name])
+                           f"{sorted(set(_session.stores) | set(_session.inherited))}); put it in a hook at an "
+                           f"earlier hook point")
+        return tracer.store_get(spec)
 
     __setitem__ = put
     __getitem__ = get

@@ -117,8 +117,8 @@ def _flat(args, kwargs):
 class Tracer:
     """Records the hooks of one hook point into one Graph."""
 
-    def __init__(self, hook_name: str, act_shape: tuple[int, ...], dtype: torch.dtype):
-        self.graph = Graph(hook_name, act_shape)
+    def __init__(self, hook_name: str, act_shape: tuple[int, ...], dtype: torch.dtype, phase: str = "prefill"):
+        self.graph = Graph(hook_name, act_shape, phase)
         self.dtype = dtype
         self.proxies: list[TracedTensor] = []
         self.version = self.graph.add("act", (), act_shape, 2)

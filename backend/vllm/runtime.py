@@ -2,10 +2,11 @@
 
 Control plane, one object per engine (its model owns it; the engine whose forward is running is
 the active one, so several in-process engines can live side by side):
-  - passes: a pass is one batch of requests sharing hook programs (a `run_with_hooks` call, say).
-    Each pass maps vLLM request ids to its rows and holds, per site, the lowered ops to run.
-  - step tokens: before each forward, every token of the step gets (pass, row, padded position),
-    from vLLM's request order and query offsets and the model's `positions` input.
+  - passes: a pass is one batch of requests sharing hook programs (a `run_with_hooks` or
+    `generate` call). Each pass maps vLLM request ids to its rows and holds, per site, the lowered
+    ops to run on prompt tokens (prefill) and on generated tokens (decode).
+  - step tokens: before each forward, every token of the step gets (pass, row, phase, padded
+    position), from vLLM's request order and query offsets and the model's `positions` input.
   - reads: values a site reads land in the pass's host tensors at (row, padded position).
 Sites with no op this step return at once.
 """
@@ -21,15 +22,29 @@ from . import adapter
 
 
 @dataclass
+class Phase:
+    """The ops of one view of a pass: the prompt (prefill) or each newly generated token (decode).
+
+    Decode hooks see TransformerLens's KV-cache view: act is [batch, 1, ...], the newest token."""
+
+    padded_len: int
+    ops: dict[int, list[LoweredOp]]  # site id -> ops, in hook order
+
+
+@dataclass
 class Pass:
     pass_id: int
     batch: int
-    padded_len: int
-    ops: dict[int, list[LoweredOp]]  # site id -> ops, in hook order
+    prefill: Phase
+    decode: Phase | None
+    prompt_lens: list[int]  # real prompt tokens per row: later positions are generated tokens
+    pad_offsets: list[int]  # per row: padded position - prompt position
     rows: dict[str, int] = field(default_factory=dict)  # vLLM request id -> batch row
-    pad_offsets: list[int] = field(default_factory=list)  # per row: padded pos - prompt pos
     reads: dict[object, torch.Tensor] = field(default_factory=dict)  # read key -> host tensor [B, P, ...]
     read_ops: dict[object, LoweredOp] = field(default_factory=dict)
+
+    def phases(self):
+        return [(False, self.prefill)] + ([(True, self.decode)] if self.decode is not None else [])
 
     def result(self, key) -> torch.Tensor:
         """A read's value in its traced shape: [B, P, ...], [B, L, ...] for a position slice, or [B, ...]."""
@@ -41,7 +56,8 @@ class Pass:
 class StepTokens:
     pass_id: torch.Tensor  # [T] long, -1 for tokens of no pass
     row: torch.Tensor  # [T] long
-    padded_pos: torch.Tensor  # [T] long
+    decode: torch.Tensor  # [T] bool: a generated token (decode view) rather than a prompt token
+    padded_pos: torch.Tensor  # [T] long, in the token's view (0 for a decode token)
 
 
 class SiteRuntime:
@@ -54,19 +70,24 @@ class SiteRuntime:
         self._next_pass_id = 0
 
     # --- passes (between steps) ----------------------------------------------------------------
-    def open_pass(self, batch: int, padded_len: int, ops: dict[str, list[LoweredOp]], pad_offsets: list[int]) -> Pass:
-        unarmed = sorted(set(ops) - self.armed)
+    def open_pass(self, prompt_lens: list[int], pad_offsets: list[int], prefill: tuple[int, dict],
+                  decode: tuple[int, dict] | None = None) -> Pass:
+        """A pass over len(prompt_lens) requests: (padded length, ops per hook point) per phase."""
+        phases = [prefill] + ([decode] if decode is not None else [])
+        unarmed = sorted({name for _, ops in phases for name in ops} - self.armed)
         if unarmed:
             raise RuntimeError(f"hook points not armed in this engine: {unarmed}")
-        p = Pass(self._next_pass_id, batch, padded_len, {self.site_id[n]: o for n, o in ops.items()},
-                 pad_offsets=list(pad_offsets))
+        by_site = [Phase(P, {self.site_id[n]: o for n, o in ops.items()}) for P, ops in phases]
+        p = Pass(self._next_pass_id, len(prompt_lens), by_site[0], by_site[1] if decode else None,
+                 list(prompt_lens), list(pad_offsets))
         self._next_pass_id += 1
-        for site_ops in p.ops.values():
-            for op in site_ops:
-                if isinstance(op, (Read, GeneratedRead)) and op.store is None:
-                    lead = (batch, padded_len) if op.keeps_pos else (batch,)
-                    p.reads[op.key] = torch.zeros(*lead, *op.feature_shape, dtype=torch.float32)
-                    p.read_ops[op.key] = op
+        for _, phase in p.phases():
+            for site_ops in phase.ops.values():
+                for op in site_ops:
+                    if isinstance(op, (Read, GeneratedRead)) and op.store is None:
+                        lead = (p.batch, phase.padded_len) if op.keeps_pos else (p.batch,)
+                        p.reads[op.key] = torch.zeros(*lead, *op.feature_shape, dtype=torch.float32)
+                        p.read_ops[op.key] = op
         self.passes[p.pass_id] = p
         return p
 
@@ -86,37 +107,39 @@ class SiteRuntime:
         n_tokens = positions.shape[0]
         pass_id = torch.full((n_tokens,), -1, dtype=torch.long)
         row = torch.zeros(n_tokens, dtype=torch.long)
+        prompt_len = torch.zeros(n_tokens, dtype=torch.long)
         pad = torch.zeros(n_tokens, dtype=torch.long)
         for i, req_id in enumerate(req_ids):
             for p in self.passes.values():
                 if req_id in p.rows:
-                    lo, hi = query_start[i], query_start[i + 1]
-                    pass_id[lo:hi] = p.pass_id
-                    row[lo:hi] = p.rows[req_id]
-                    pad[lo:hi] = p.pad_offsets[p.rows[req_id]]
+                    r, lo, hi = p.rows[req_id], query_start[i], query_start[i + 1]
+                    pass_id[lo:hi], row[lo:hi] = p.pass_id, r
+                    prompt_len[lo:hi], pad[lo:hi] = p.prompt_lens[r], p.pad_offsets[r]
         positions = positions.to("cpu", torch.long)
-        self.step = StepTokens(pass_id.to(positions.device), row, positions + pad)
+        decode = positions >= prompt_len
+        self.step = StepTokens(pass_id, row, decode, torch.where(decode, 0, positions + pad))
 
     def run_site(self, x: torch.Tensor, site_id: int) -> None:
         if self.step is None:
             return
         for p in self.passes.values():
-            for op in p.ops.get(site_id, ()):
-                self._run_op(x, p, op)
+            for decode, phase in p.phases():
+                for op in phase.ops.get(site_id, ()):
+                    self._run_op(x, p, decode, phase, op)
 
-    def _selected(self, p: Pass, positions: torch.Tensor | None) -> torch.Tensor:
+    def _selected(self, p: Pass, decode: bool, phase: Phase, positions: torch.Tensor | None) -> torch.Tensor:
         step = self.step
-        chosen = (step.pass_id == p.pass_id) & (step.padded_pos < p.padded_len)
+        chosen = (step.pass_id == p.pass_id) & (step.decode == decode) & (step.padded_pos < phase.padded_len)
         if positions is not None:
-            chosen &= positions[step.padded_pos.clamp(max=p.padded_len - 1)]
+            chosen &= positions[step.padded_pos.clamp(max=phase.padded_len - 1)]
         return chosen.nonzero().flatten()
 
-    def _run_op(self, x: torch.Tensor, p: Pass, op: LoweredOp) -> None:
-        tokens = self._selected(p, op.positions)
+    def _run_op(self, x: torch.Tensor, p: Pass, decode: bool, phase: Phase, op: LoweredOp) -> None:
+        tokens = self._selected(p, decode, phase, op.positions)
         if tokens.numel() == 0:
             return
         # each token's row in per-token tables ([B, P, ...] flattened): patching, per-token biases
-        flat_index = (self.step.row[tokens] * p.padded_len + self.step.padded_pos[tokens]).int().to(x.device)
+        flat_index = (self.step.row[tokens] * phase.padded_len + self.step.padded_pos[tokens]).int().to(x.device)
         rows = tokens.int().to(x.device)
         impl = _TRITON if x.is_cuda else _TORCH
         if isinstance(op, AffineWrite):
@@ -127,7 +150,7 @@ class SiteRuntime:
         elif isinstance(op, GeneratedWrite):
             impl.run_program(x, rows, op.program, flat_index)
         else:
-            self._deliver(p, op, tokens, self._read(x, op, rows, flat_index, impl))
+            self._deliver(p, phase, op, tokens, self._read(x, op, rows, flat_index, impl))
 
     @staticmethod
     def _read(x, op, rows, flat_index, impl) -> torch.Tensor:
@@ -145,14 +168,14 @@ class SiteRuntime:
                 out += op.bias.reshape(-1, width).to(x.device)[flat_index.long()]
         return out.cpu()
 
-    def _deliver(self, p: Pass, op, tokens: torch.Tensor, values: torch.Tensor) -> None:
+    def _deliver(self, p: Pass, phase: Phase, op, tokens: torch.Tensor, values: torch.Tensor) -> None:
         rows = self.step.row[tokens]
         if op.store is not None:
             _put(op.store, rows, self.step.padded_pos[tokens], values.to(op.store.buffer.device))
             return
         target = p.reads[op.key]
         if op.keeps_pos:
-            target.view(p.batch, p.padded_len, -1)[rows, self.step.padded_pos[tokens]] = values
+            target.view(p.batch, phase.padded_len, -1)[rows, self.step.padded_pos[tokens]] = values
         else:
             target.view(p.batch, -1)[rows] = values
 
@@ -174,6 +197,7 @@ def _put(spec, rows: torch.Tensor, positions: torch.Tensor, values: torch.Tensor
         if spec.reduce == "mean":
             per_request = per_request / spec.count[rows, None]
     spec.buffer[rows] = per_request[:, None, :]  # the same value at every position of the request
+    spec.row_buffer[rows] = per_request[:, None, :]  # and for the request's generated tokens
 
 
 def _numel(shape) -> int:

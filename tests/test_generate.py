@@ -1,0 +1,117 @@
+"""generate() with hooks on the prompt and on every generated token (KV-cache semantics).
+
+References: TransformerLens's generate without its KV cache (it recomputes the whole sequence each
+step) for position-independent hooks; for hooks that depend on positions, TransformerLens's
+run_with_hooks over the final sequence, teacher-forced, with the hook applied where our hooks ran."""
+import pytest
+import torch
+
+from xmix_lens import store
+
+MODEL = "tiny-llama"
+PROMPTS = ["The cat sat on the mat", "One two three four five six"]  # equal lengths (6 tokens + BOS)
+NEW = 6
+
+
+@pytest.fixture
+def pair(served, reference):
+    return served[MODEL], reference[MODEL]
+
+
+def unit(d_model, seed):
+    v = torch.randn(d_model, generator=torch.Generator().manual_seed(seed))
+    return v / v.norm()
+
+
+def greedy_under_teacher_forcing(tl, tokens: torch.Tensor, prompt_len: int, fwd_hooks) -> torch.Tensor:
+    """The greedy choice at every generated position of `tokens`, by TL with the hooks."""
+    logits = tl.run_with_hooks(tokens, fwd_hooks=fwd_hooks)
+    return logits[:, prompt_len - 1: -1].argmax(-1)
+
+
+def test_unhooked_greedy_matches_transformer_lens(pair):
+    xl, tl = pair
+    ours = xl.generate(PROMPTS, max_new_tokens=NEW, do_sample=False, return_type="tokens")
+    theirs = tl.bridge.generate(xl.to_tokens(PROMPTS), max_new_tokens=NEW, do_sample=False, use_past_kv_cache=False,
+                                stop_at_eos=False, verbose=False)
+    assert torch.equal(ours, theirs)
+
+
+def test_position_independent_steering_matches_transformer_lens_generate(pair):
+    xl, tl = pair
+    v = 6.0 * unit(xl.cfg.d_model, 3)
+
+    def steer(act, hook):
+        return act + v
+
+    hooks = [("blocks.0.hook_resid_post", steer)]
+    ours = xl.generate(PROMPTS, max_new_tokens=NEW, do_sample=False, return_type="tokens", fwd_hooks=hooks)
+    with tl.bridge.hooks(fwd_hooks=hooks):
+        theirs = tl.bridge.generate(xl.to_tokens(PROMPTS), max_new_tokens=NEW, do_sample=False,
+                                    use_past_kv_cache=False, stop_at_eos=False, verbose=False)
+    unhooked = xl.generate(PROMPTS, max_new_tokens=NEW, do_sample=False, return_type="tokens")
+    assert torch.equal(ours, theirs)
+    assert not torch.equal(ours, unhooked)
+
+
+def test_newest_token_hook_matches_teacher_forced_reference(pair):
+    """act[:, -1] is the newest token of each forward: the last prompt token, then each new one."""
+    xl, tl = pair
+    v = 8.0 * unit(xl.cfg.d_model, 4)
+    calls = []
+
+    def last(act, hook):
+        calls.append(act.shape[1])
+        act[:, -1] = act[:, -1] + v
+
+    ours = xl.generate(PROMPTS, max_new_tokens=NEW, do_sample=False, return_type="tokens",
+                       fwd_hooks=[("blocks.1.hook_resid_pre", last)])
+    prompt_len = xl.to_tokens(PROMPTS).shape[1]
+    assert calls == [prompt_len, 1]  # traced once for the prompt, once for generated tokens
+
+    def reference_hook(act, hook):  # v at the last prompt position and at every generated one
+        act[:, prompt_len - 1:] = act[:, prompt_len - 1:] + v
+
+    expected = greedy_under_teacher_forcing(tl, ours, prompt_len, [("blocks.1.hook_resid_pre", reference_hook)])
+    assert torch.equal(ours[:, prompt_len:], expected)
+    unhooked = xl.generate(PROMPTS, max_new_tokens=NEW, do_sample=False, return_type="tokens")
+    assert not torch.equal(ours, unhooked)
+
+
+def test_prompt_level_condition_gates_every_generated_token(pair):
+    xl, tl = pair
+    w, v = unit(xl.cfg.d_model, 5), 8.0 * unit(xl.cfg.d_model, 6)
+    prompt_len = xl.to_tokens(PROMPTS).shape[1]
+    probe_values = {}
+
+    def probe(act, hook):
+        store.put("cond", act @ w, reduce="mean")
+
+    def gate(act, hook):
+        return act + (store.get("cond") > 0.0)[..., None] * v
+
+    hooks = [("blocks.0.hook_resid_post", probe), ("blocks.1.hook_resid_pre", gate)]
+    ours = xl.generate(PROMPTS, max_new_tokens=NEW, do_sample=False, return_type="tokens", fwd_hooks=hooks)
+
+    def tl_probe(act, hook):  # the condition: mean over the prompt's positions only
+        probe_values["cond"] = (act[:, :prompt_len] @ w).mean(1)
+
+    def tl_gate(act, hook):
+        return act + (probe_values["cond"] > 0.0)[:, None, None] * v
+
+    expected = greedy_under_teacher_forcing(tl, ours, prompt_len, [("blocks.0.hook_resid_post", tl_probe),
+                                                                  ("blocks.1.hook_resid_pre", tl_gate)])
+    assert torch.equal(ours[:, prompt_len:], expected)
+    gated = probe_values["cond"] > 0.0
+    assert gated.any(), "the condition must hold for some prompt, or the test shows nothing"
+    unhooked = xl.generate(PROMPTS, max_new_tokens=NEW, do_sample=False, return_type="tokens")
+    assert not torch.equal(ours[gated], unhooked[gated])
+    assert torch.equal(ours[~gated], unhooked[~gated])  # rows whose condition fails are untouched
+
+
+def test_generate_returns_text_for_text(pair):
+    xl, _ = pair
+    text = xl.generate("The cat sat", max_new_tokens=3, do_sample=False)
+    assert isinstance(text, str) and "The cat sat" in text
+    with pytest.raises(ValueError, match="max_model_len"):
+        xl.generate("The cat sat", max_new_tokens=10_000)

@@ -354,7 +354,8 @@ class _Source:
             reduce = {"max": "tl.max", "min": "tl.min"}.get(name, "tl.sum")
             squared = f"{a} * {a}" if name == "norm" else a
             expression = f"{reduce}({self.masked(squared, width_in, fill)}, axis=1, keep_dims=True)"
-            return [f"{v} = " + {"mean": f"{expression} / {width_in}.0", "norm": f"tl.sqrt({expression})"}.get(name, expression)]
+            finish = {"mean": f"{expression} / {width_in}.0", "norm": f"tl.sqrt({expression})"}
+            return [f"{v} = " + finish.get(name, expression)]
         if name == "softmax":
             return [
                 f"# {v} = softmax({a}): padding lanes are -inf for the max and 0 for the sum",
@@ -363,7 +364,7 @@ class _Source:
                 f"{v} = exp{i} / tl.sum(exp{i}, axis=1, keep_dims=True)",
             ]
         if name == "topk_mask":
-            k, lanes = self.number_names[(i, 1)], self.lanes(n)
+            k, lanes, past = self.number_names[(i, 1)], self.lanes(n), triton.next_power_of_2(n)
             return [
                 f"# {v} = topk_mask({a}, {k}): take the maximum {k} - 1 times, each time removing one lane",
                 f"# holding it (the lowest), so tied values count once each; the maximum left is the",
@@ -371,7 +372,7 @@ class _Source:
                 f"remaining{i} = {self.masked(a, n, _MINUS_INFINITY)}",
                 f"for _ in range({k} - 1):",
                 f"    top{i} = tl.max(remaining{i}, axis=1, keep_dims=True)",
-                f"    first{i} = tl.min(tl.where(remaining{i} == top{i}, {lanes}, {triton.next_power_of_2(n)}), axis=1, keep_dims=True)",
+                f"    first{i} = tl.min(tl.where(remaining{i} == top{i}, {lanes}, {past}), axis=1, keep_dims=True)",
                 f"    remaining{i} = tl.where({lanes} == first{i}, {_MINUS_INFINITY}, remaining{i})",
                 f"{v} = tl.where({a} >= tl.max(remaining{i}, axis=1, keep_dims=True), {a}, 0.0)",
             ]
@@ -432,7 +433,9 @@ class _Source:
             if n in self.mask_widths:
                 setup.append(f"in{n} = lanes{n} < {n}")
         if plan.scratch:
-            setup.append("scratch_rows = scratch_ptr + (tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS))[:, None] * SCRATCH_WIDTH")
+            setup += ["# this program's own scratch rows, reused by each row block it takes",
+                      "slots = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)",
+                      "scratch_rows = scratch_ptr + slots[:, None] * SCRATCH_WIDTH"]
         rows = [
             "entries = block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)[:, None]",
             "live = entries < R",
@@ -555,7 +558,8 @@ class GeneratedKernel:
         # x stands in for the pointers a launch does not use
         scratch = x
         if plan.scratch_width:
-            scratch = torch.empty((programs * plan.block_rows, plan.scratch_width), dtype=torch.float32, device=x.device)
+            scratch = torch.empty(programs * plan.block_rows, plan.scratch_width, dtype=torch.float32,
+                                  device=x.device)
         write = out is None
         self.fn[(programs,)](
             x, x.stride(0), rows, R, rows if table_index is None else table_index,

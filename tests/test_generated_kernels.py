@@ -42,7 +42,7 @@ def assert_matches(actual, expected):
     rounds to nearest) plus fp32 noise, which matters where terms cancel to near 0."""
     assert actual.dtype == expected.dtype
     if actual.dtype == torch.float32:
-        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
     else:
         actual, expected = actual.float(), expected.float()
         larger = torch.maximum(actual.abs(), expected.abs())
@@ -290,7 +290,8 @@ def test_twin_matches_a_loop(gen):
     torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("k, kept", [(1, [3, 0, 3, 0, 0]), (2, [3, 0, 3, 0, 0]), (3, [3, 0, 3, 2, 0]), (5, [3, 1, 3, 2, -1])])
+@pytest.mark.parametrize("k, kept", [(1, [3, 0, 3, 0, 0]), (2, [3, 0, 3, 0, 0]), (3, [3, 0, 3, 2, 0]),
+                                     (5, [3, 1, 3, 2, -1])])
 def test_topk_mask_keeps_ties(k, kept):
     """The k-th largest counts tied values once each; every lane tied with it stays."""
     p = Program()
@@ -415,7 +416,7 @@ for path, signature, constexprs, num_warps in json.load(sys.stdin):
 def test_kernels_compile_for_a_gpu():
     """The interpreter runs code that Triton's compiler refuses; CI has no GPU, but compiling needs none."""
     jobs = [sm90_job(make, 64 if make.__name__.startswith("sae") else 200, make in WRITES) for make in WRITES + READS]
-    for name in ("gelu", "tanh", "pow 1.5", "pow 7", "pow -0.5", "logical_or", "unsqueeze", "min", "mean", "clamp high"):
+    for name in ("gelu", "tanh", "pow 1.5", "pow 7", "pow -0.5", "logical_or", "unsqueeze", "min", "clamp high"):
         jobs.append(sm90_job(lambda F, gen: one_op(name, F, gen), 96, False))
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", COMPILE], input=json.dumps(jobs), env=env, capture_output=True,

@@ -5,7 +5,7 @@ A hook on one hook point lowers to a list of ops, run in order on the site tenso
 position is selected, and is an instance of a kernel template (kernels/): its behaviour is the
 contents of its tensors, so changing a parameter never changes code.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -50,6 +50,8 @@ class Read:
 @dataclass
 class TokenOp:
     """One op of a per-token program; args are indices of earlier ops or Python numbers.
+
+    In value arguments an int is an earlier op's index and a float is a number (`mul v 2.0`).
 
     Values are per token: shape () (a scalar per token) or (n,) (a feature vector per token).
     Ops (elementwise ones broadcast () against (n,)):
@@ -98,6 +100,20 @@ class GeneratedRead:
     feature_shape: tuple[int, ...]
     store: object = None  # a StoreSpec: the value goes to that device store instead of the host
 LoweredOp = AffineWrite | Read | GeneratedWrite | GeneratedRead
+
+
+def to_device(op: LoweredOp, device) -> LoweredOp:
+    """The op with its tensors on the engine's device: moved once, when a pass opens, never per step.
+
+    Store buffers are allocated there already, and must stay the same tensors (they are live)."""
+    def move(t):
+        return t.to(device) if isinstance(t, torch.Tensor) else t
+
+    if isinstance(op, (GeneratedWrite, GeneratedRead)):
+        program = TokenProgram(op.program.ops, [move(c) for c in op.program.consts], op.program.output)
+        return replace(op, program=program)
+    fields = {name: move(getattr(op, name)) for name in ("scale", "bias", "U", "V", "W") if hasattr(op, name)}
+    return replace(op, **fields)
 
 
 def describe(op: LoweredOp) -> str:

@@ -118,6 +118,7 @@ class HookedServedModel:
                   additional_config={"xmix_lens": {"armed": armed_names}}, **engine_kwargs)
         runner = adapter.model_runner(llm)
         runner.model.xmix_runtime.model_runner = runner
+        runner.model.xmix_runtime.device = next(runner.model.parameters()).device
         return cls(llm, model_dir, cfg, tokenizer, runner.model.xmix_runtime,
                    unembedding(runner.model, family, cfg.d_vocab))
 
@@ -359,7 +360,7 @@ class HookedServedModel:
                     tracers.append(tracer)
         finally:
             stores.begin(None)
-        session.allocate()
+        session.allocate(self.runtime.device)
         ops = {t.graph.hook_name: site_ops for t in tracers if (site_ops := lower(t.graph))}
         return TracedHooks(P, ops, kept, [t.graph for t in tracers], session.per_request())
 

@@ -59,15 +59,16 @@ class TraceSession:
     def per_request(self) -> dict[str, StoreSpec]:
         return {name: spec for name, spec in self.stores.items() if spec.reduce is not None}
 
-    def allocate(self) -> None:
+    def allocate(self, device) -> None:
+        """Device buffers for the stores this session's hooks write."""
         for spec in self.stores.values():
             O = 1
             for s in spec.feature_shape:
                 O *= s
-            spec.buffer = torch.zeros(self.batch, self.padded_len, O)
-            spec.row_buffer = torch.zeros(self.batch, 1, O)
-            spec.accumulator = torch.full((self.batch, O), -torch.inf if spec.reduce == "max" else 0.0)
-            spec.count = torch.zeros(self.batch)
+            spec.buffer = torch.zeros(self.batch, self.padded_len, O, device=device)
+            spec.row_buffer = torch.zeros(self.batch, 1, O, device=device)
+            spec.accumulator = torch.full((self.batch, O), -torch.inf if spec.reduce == "max" else 0.0, device=device)
+            spec.count = torch.zeros(self.batch, device=device)
 
 
 _session: TraceSession | None = None

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import torch
 
 from xmix_lens import kernels
-from xmix_lens.lowered import AffineWrite, GeneratedRead, GeneratedWrite, LoweredOp, Read
+from xmix_lens.lowered import AffineWrite, GeneratedRead, GeneratedWrite, LoweredOp, Read, to_device
 
 from . import adapter
 
@@ -65,6 +65,7 @@ class SiteRuntime:
         self.family, self.site_names, self.armed = family, site_names, armed
         self.site_id = {name: i for i, name in enumerate(site_names)}
         self.model_runner = None  # bound by the facade: where the step's request order comes from
+        self.device = torch.device("cpu")  # the engine's device, where lowered ops' tensors go
         self.passes: dict[int, Pass] = {}
         self.step: StepTokens | None = None
         self._next_pass_id = 0
@@ -77,7 +78,8 @@ class SiteRuntime:
         unarmed = sorted({name for _, ops in phases for name in ops} - self.armed)
         if unarmed:
             raise RuntimeError(f"hook points not armed in this engine: {unarmed}")
-        by_site = [Phase(P, {self.site_id[n]: o for n, o in ops.items()}) for P, ops in phases]
+        by_site = [Phase(P, {self.site_id[n]: [to_device(op, self.device) for op in o] for n, o in ops.items()})
+                   for P, ops in phases]
         p = Pass(self._next_pass_id, len(prompt_lens), by_site[0], by_site[1] if decode else None,
                  list(prompt_lens), list(pad_offsets))
         self._next_pass_id += 1
@@ -145,8 +147,7 @@ class SiteRuntime:
         if isinstance(op, AffineWrite):
             bias = op.bias.reshape(-1, op.bias.shape[-1]) if op.per_token_bias else op.bias[None]
             bias_idx = flat_index if op.per_token_bias else torch.zeros_like(rows)
-            impl.affine_write(x, rows, op.scale[None].to(x.device), torch.zeros_like(rows), bias.to(x.device),
-                              bias_idx, op.U.to(x.device), op.V.to(x.device))
+            impl.affine_write(x, rows, op.scale[None], torch.zeros_like(rows), bias, bias_idx, op.U, op.V)
         elif isinstance(op, GeneratedWrite):
             impl.run_program(x, rows, op.program, flat_index)
         else:
@@ -162,17 +163,19 @@ class SiteRuntime:
         elif op.W is None:
             impl.gather_rows(x, rows, out, dest)
         else:
-            bias = op.bias if op.bias is not None and op.bias.dim() == 1 else torch.zeros(width)
-            impl.project_read(x, rows, op.W.to(x.device), bias.to(x.device), out, dest)
+            bias = op.bias if op.bias is not None and op.bias.dim() == 1 else torch.zeros(width, device=x.device)
+            impl.project_read(x, rows, op.W, bias, out, dest)
             if op.bias is not None and op.bias.dim() == 3:  # a per-token bias, added where it is known
-                out += op.bias.reshape(-1, width).to(x.device)[flat_index.long()]
-        return out.cpu()
+                out += op.bias.reshape(-1, width)[flat_index.long()]
+        return out
 
     def _deliver(self, p: Pass, phase: Phase, op, tokens: torch.Tensor, values: torch.Tensor) -> None:
         rows = self.step.row[tokens]
-        if op.store is not None:
-            _put(op.store, rows, self.step.padded_pos[tokens], values.to(op.store.buffer.device))
+        if op.store is not None:  # stays on the device, for later hook points
+            device = op.store.buffer.device
+            _put(op.store, rows.to(device), self.step.padded_pos[tokens].to(device), values)
             return
+        values = values.cpu()  # the messenger: a read goes to the host
         target = p.reads[op.key]
         if op.keeps_pos:
             target.view(p.batch, phase.padded_len, -1)[rows, self.step.padded_pos[tokens]] = values

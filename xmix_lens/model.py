@@ -113,6 +113,11 @@ class HookedServedModel:
         from .backend.vllm.sites import unembedding
 
         armed_names = armed if armed == "all" else [hook_points.canonical_name(n) for n in armed]
+        if torch.cuda.is_available() and not enforce_eager:
+            # The site runtime prepares each step on the host; CUDA-graph replay would skip that and
+            # silently drop hooks. Until the graph-safe control plane lands, keep torch.compile and
+            # run without CUDA graphs.
+            engine_kwargs.setdefault("compilation_config", {"cudagraph_mode": "NONE"})
         llm = LLM(model=str(model_dir), dtype=str(torch_dtype).removeprefix("torch."), enforce_eager=enforce_eager,
                   max_model_len=max_model_len or min(cfg.n_ctx, 2048), skip_tokenizer_init=True,
                   additional_config={"xmix_lens": {"armed": armed_names}}, **engine_kwargs)

@@ -36,8 +36,8 @@ class StoreSpec:
     feature_shape: tuple[int, ...]
     buffer: torch.Tensor | None = None  # [B, P, O]: what consumers read at (row, position)
     row_buffer: torch.Tensor | None = None  # [B, 1, O]: a per-request value, for generated tokens
-    accumulator: torch.Tensor | None = None  # [B, O] running sum / max for reductions
-    count: torch.Tensor | None = None  # [B] positions folded into the accumulator
+    per_token: torch.Tensor | None = None  # [B, P, O] the values a reduction folds
+    written: torch.Tensor | None = None  # [B, P] which positions have been written
 
     def __repr__(self) -> str:
         return f"store({self.name!r})"
@@ -67,8 +67,8 @@ class TraceSession:
                 O *= s
             spec.buffer = torch.zeros(self.batch, self.padded_len, O, device=device)
             spec.row_buffer = torch.zeros(self.batch, 1, O, device=device)
-            spec.accumulator = torch.full((self.batch, O), -torch.inf if spec.reduce == "max" else 0.0, device=device)
-            spec.count = torch.zeros(self.batch, device=device)
+            spec.per_token = torch.zeros(self.batch, self.padded_len, O, device=device)
+            spec.written = torch.zeros(self.batch, self.padded_len, dtype=torch.bool, device=device)
 
 
 _session: TraceSession | None = None

@@ -184,23 +184,29 @@ class SiteRuntime:
 
 
 def _put(spec, rows: torch.Tensor, positions: torch.Tensor, values: torch.Tensor) -> None:
-    """Values of a step's tokens into a store: per token, or folded into one value per request."""
+    """Values of a step's tokens into a store: per token, or folded into one value per request.
+
+    Reductions are recomputed from every position written so far, so a position computed twice
+    (a preempted request is recomputed) or in several steps (chunked prefill) counts once."""
     if spec.reduce is None:
         spec.buffer[rows, positions] = values
         return
     if spec.reduce == "last":
-        per_request = values
+        touched, per_request = rows, values
     else:
+        spec.per_token[rows, positions] = values
+        spec.written[rows, positions] = True
+        touched = rows.unique()
+        seen = spec.written[touched][..., None]
+        vals = spec.per_token[touched]
         if spec.reduce == "max":
-            spec.accumulator.index_reduce_(0, rows, values, "amax")
+            per_request = vals.masked_fill(~seen, -torch.inf).amax(1)
         else:
-            spec.accumulator.index_add_(0, rows, values)
-        spec.count.index_add_(0, rows, torch.ones_like(rows, dtype=spec.count.dtype))
-        per_request = spec.accumulator[rows]
-        if spec.reduce == "mean":
-            per_request = per_request / spec.count[rows, None]
-    spec.buffer[rows] = per_request[:, None, :]  # the same value at every position of the request
-    spec.row_buffer[rows] = per_request[:, None, :]  # and for the request's generated tokens
+            per_request = (vals * seen).sum(1)
+            if spec.reduce == "mean":
+                per_request = per_request / seen.sum(1).clamp(min=1)
+    spec.buffer[touched] = per_request[:, None, :]  # the same value at every position of the request
+    spec.row_buffer[touched] = per_request[:, None, :]  # and for the request's generated tokens
 
 
 def _numel(shape) -> int:

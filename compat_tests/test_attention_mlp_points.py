@@ -2,9 +2,11 @@
 
 `blocks.L.attn.hook_q/k/v/z` ([batch, pos, heads, d_head]; k and v with the key-value heads of
 grouped-query attention) and `blocks.L.mlp.hook_pre/post` ([batch, pos, d_mlp]): cached values at
-every layer, and writes (a constant per head, a scale, a zeroed position) compared with TL's own
-run_with_hooks at real positions, both padding sides, on the tiny Llama (GQA: 4 query heads, 2
-key-value heads) and the tiny GPT-2; caches and writes on SmolLM2 (GQA 9/3, d_head 64).
+every layer, writes (a constant per head, a scale, a zeroed position) and head selectors (one
+head ablated, steered, read) compared with TL's own run_with_hooks at real positions, both padding
+sides, on the tiny Llama (GQA: 4 query heads, 2 key-value heads) and the tiny GPT-2; caches and
+writes on SmolLM2 (GQA 9/3, d_head 64). Also: the site table's order and shapes against TL's
+firing order and act shapes, and the TL 4.x alias names.
 """
 import pytest
 import torch
@@ -143,3 +145,37 @@ def test_site_table_is_tl_firing_order_and_shapes(model, reference):
 
     tl.run_with_hooks(PROMPTS, fwd_hooks=[(n, record(n)) for n in names])
     assert fired == [(n, feature_shape(family, n, hf)) for n in names]
+
+
+@pytest.mark.parametrize("padding_side", ["right", "left"])
+@pytest.mark.parametrize("point", ["blocks.0.attn.hook_q", "blocks.1.attn.hook_v", "blocks.0.attn.hook_z"])
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-gpt2"])
+def test_head_selectors_match_transformer_lens(model, point, padding_side, served, reference, tolerance):
+    """One head ablated, one head steered, one head read (head 1: a key-value head under GQA too)."""
+    xl, tl = served[model], reference[model]
+    _, tol = tolerance(model)
+    mask = real_mask(tl, tl.to_tokens(PROMPTS, padding_side=padding_side), padding_side)
+    base = xl(PROMPTS, padding_side=padding_side)
+    c = per_head_constant((xl.cfg.d_head,), 4)
+
+    def ablate_head(act, hook):
+        act[:, :, 1, :] = 0.0
+
+    def steer_head(act, hook):
+        act[:, :, 1] += c
+
+    for label, fn in [("ablate_head", ablate_head), ("steer_head", steer_head)]:
+        ours = xl.run_with_hooks(PROMPTS, fwd_hooks=[(point, fn)], padding_side=padding_side)
+        theirs = tl.run_with_hooks(PROMPTS, fwd_hooks=[(point, fn)], padding_side=padding_side)
+        assert max_diff(ours, theirs, mask) < tol, label
+        assert max_diff(ours, base, mask) > 50 * tol, f"{label} did not move the logits"
+
+    kept = {}
+
+    def read_head(act, hook):
+        kept["head"] = act[:, :, 1]
+
+    xl.run_with_hooks(PROMPTS, fwd_hooks=[(point, read_head)], padding_side=padding_side)
+    _, ref = tl.run_with_cache(PROMPTS, names_filter=[point], padding_side=padding_side)
+    assert kept["head"].shape == ref[point][:, :, 1].shape
+    assert max_diff(kept["head"], ref[point][:, :, 1], mask) <= cache_bound(ref[point], mask, tol)

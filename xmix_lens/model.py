@@ -171,6 +171,13 @@ class HookedServedModel:
         """Tokens [B, P] and, per row, its real tokens and their offset in the padded layout."""
         if isinstance(input, (str, list)) and (isinstance(input, str) or all(isinstance(s, str) for s in input)):
             tokens, mask = self._tokenize(input, prepend_bos, padding_side)
+        elif isinstance(input, list) and input and all(isinstance(r, list) for r in input):
+            # token-id lists of different lengths: each row's tokens are all real, right-padded
+            width = max(len(r) for r in input)
+            tokens = torch.full((len(input), width), self.tokenizer.pad_token_id, dtype=torch.long)
+            mask = torch.zeros(len(input), width, dtype=torch.long)
+            for i, r in enumerate(input):
+                tokens[i, : len(r)], mask[i, : len(r)] = torch.tensor(r, dtype=torch.long), 1
         else:
             tokens = torch.as_tensor(input, dtype=torch.long)
             tokens = tokens[None] if tokens.dim() == 1 else tokens
@@ -277,6 +284,25 @@ class HookedServedModel:
 
     def forward(self, input, return_type: str | None = "logits", prepend_bos: bool | None = None,
                 padding_side: str | None = None, attention_mask=None, loss_per_token: bool = False):
+        job = self._forward_job(input, return_type, prepend_bos, padding_side, attention_mask, loss_per_token)
+        ((p, _),) = self._run_passes([job.run])
+        return job.finish(p)
+
+    def run_batch(self, requests: Sequence[tuple], return_type: str | None = "logits", **kwargs) -> list:
+        """Forward passes that each have their own hooks, served together in one engine.
+
+        `requests`: (input, fwd_hooks) pairs. All their rows are in flight at once (vLLM batches
+        them as it likes); each pass's hooks touch only its own rows. Returns what
+        `run_with_hooks(input, fwd_hooks, return_type)` would, per pair."""
+        jobs = []
+        for input, fwd_hooks in requests:
+            with self.hooks(fwd_hooks):
+                jobs.append(self._forward_job(input, return_type, **kwargs))
+        return [job.finish(p) for job, (p, _) in zip(jobs, self._run_passes([job.run for job in jobs]))]
+
+    def _forward_job(self, input, return_type, prepend_bos=None, padding_side=None, attention_mask=None,
+                     loss_per_token=False) -> "_Job":
+        """Trace the hooks on the hook points for one forward pass (checks all input first)."""
         if return_type not in ("logits", "loss", "both", None):
             raise ValueError(f"return_type {return_type!r}: use 'logits', 'loss', 'both' or None")
         tokens, mask, rows, offsets = self._rows(input, prepend_bos, padding_side, attention_mask)
@@ -284,14 +310,17 @@ class HookedServedModel:
         traced = self._trace_hooks(*tokens.shape)
         if return_type is not None:
             traced.ops.setdefault(_FINAL, []).append(Read(_LOGITS_KEY, None, True, None, None, (self.cfg.d_model,)))
-        p, _ = self._run_pass(rows, offsets, traced, None, max_new_tokens=1, sampling={})
-        if return_type is None:
-            return None
-        logits = p.result(_LOGITS_KEY) @ self.W_U + self.b_U
-        if return_type == "logits":
-            return logits
-        loss = _next_token_loss(logits, tokens, mask, loss_per_token)
-        return loss if return_type == "loss" else (logits, loss)
+
+        def finish(p):
+            if return_type is None:
+                return None
+            logits = p.result(_LOGITS_KEY) @ self.W_U + self.b_U
+            if return_type == "logits":
+                return logits
+            loss = _next_token_loss(logits, tokens, mask, loss_per_token)
+            return loss if return_type == "loss" else (logits, loss)
+
+        return _Job((rows, offsets, traced, None, 1, {}), finish)
 
     def generate(self, input, max_new_tokens: int = 10, stop_at_eos: bool = True, eos_token_id: int | None = None,
                  do_sample: bool = True, top_k: int | None = None, top_p: float | None = None,
@@ -317,7 +346,7 @@ class HookedServedModel:
         with self.hooks(fwd_hooks):
             prompt = self._trace_hooks(*tokens.shape)
             step = self._trace_hooks(tokens.shape[0], 1, inherited=prompt.per_request_stores, phase="decode")
-            _, outputs = self._run_pass(rows, offsets, prompt, step, max_new_tokens, sampling)
+            ((_, outputs),) = self._run_passes([(rows, offsets, prompt, step, max_new_tokens, sampling)])
         full = [r + list(out) for r, out in zip(rows, outputs)]
         text_out = return_type == "str" or (return_type == "input" and not isinstance(input, torch.Tensor)
                                             and (isinstance(input, str) or isinstance(input[0], str)))
@@ -369,9 +398,9 @@ class HookedServedModel:
         ops = {t.graph.hook_name: site_ops for t in tracers if (site_ops := lower(t.graph))}
         return TracedHooks(P, ops, kept, [t.graph for t in tracers], session.per_request())
 
-    def _run_pass(self, rows: list[list[int]], offsets: list[int], prompt: "TracedHooks",
-                  step: "TracedHooks | None", max_new_tokens: int, sampling: dict):
-        """Run the rows as vLLM requests with the traced hooks; returns the pass and each row's new tokens.
+    def _run_passes(self, jobs: list[tuple]) -> list[tuple]:
+        """Run passes together: each job is (rows, prompt offsets, prompt hooks, generated-token hooks
+        or None, max_new_tokens, sampling). Returns (pass, each row's new tokens) per job.
 
         The kept proxies of the hook functions become the values read (for generated tokens: the
         last one's)."""
@@ -379,28 +408,44 @@ class HookedServedModel:
         from vllm.inputs import TokensPrompt
 
         engine = self.llm.llm_engine
-        # A fresh cache salt per pass: KV computed under this pass's writes is never reused by
-        # another pass, and every position is recomputed so that reads see all of them.
-        salt = uuid.uuid4().hex
-        params = SamplingParams(max_tokens=max_new_tokens, detokenize=False, **{"temperature": 0.0, **sampling})
-        p = self.runtime.open_pass([len(r) for r in rows], offsets, (prompt.padded_len, prompt.ops),
-                                   (step.padded_len, step.ops) if step is not None else None)
-        outputs: dict[str, list[int]] = {}
-        names = [f"xmix-{p.pass_id}-{row}" for row in range(len(rows))]
+        opened, outputs = [], {}
         try:
-            for row, toks in enumerate(rows):
-                # vLLM makes the id unique (a suffix); the model runner sees that one
-                internal = engine.add_request(names[row], TokensPrompt(prompt_token_ids=toks, cache_salt=salt), params)
-                p.rows[internal] = row
+            for rows, offsets, prompt, step, max_new_tokens, sampling in jobs:
+                p = self.runtime.open_pass([len(r) for r in rows], offsets, (prompt.padded_len, prompt.ops),
+                                           (step.padded_len, step.ops) if step is not None else None)
+                params = SamplingParams(max_tokens=max_new_tokens, detokenize=False, **{"temperature": 0.0, **sampling})
+                # A fresh cache salt per pass: KV computed under this pass's writes is never reused
+                # by another pass, and every position is recomputed so that reads see all of them.
+                salt = uuid.uuid4().hex
+                names = [f"xmix-{p.pass_id}-{row}" for row in range(len(rows))]
+                opened.append((p, names, prompt, step))
+                for row, toks in enumerate(rows):
+                    # vLLM makes the id unique (a suffix); the model runner sees that one
+                    internal = engine.add_request(names[row], TokensPrompt(prompt_token_ids=toks, cache_salt=salt),
+                                                  params)
+                    p.rows[internal] = row
             while engine.has_unfinished_requests():
                 for out in engine.step():
                     if out.finished:
-                        outputs[out.request_id] = out.outputs[0].token_ids
+                        outputs[out.request_id] = list(out.outputs[0].token_ids)
         finally:
-            self.runtime.close_pass(p)
-        for key, proxy in prompt.kept + (step.kept if step is not None else []):
-            torch.utils.swap_tensors(proxy, p.result(key).to(self.cfg.dtype))
-        return p, [list(outputs[name]) for name in names]
+            for p, names, _, _ in opened:
+                self.runtime.close_pass(p)
+            if len(outputs) < sum(len(names) for _, names, _, _ in opened):  # stopped by an error
+                for _, names, _, _ in opened:
+                    engine.abort_request([n for n in names if n not in outputs])
+        results = []
+        for p, names, prompt, step in opened:
+            for key, proxy in prompt.kept + (step.kept if step is not None else []):
+                torch.utils.swap_tensors(proxy, p.result(key).to(self.cfg.dtype))
+            results.append((p, [outputs[name] for name in names]))
+        return results
+
+
+@dataclass
+class _Job:
+    run: tuple  # the arguments of one pass for _run_passes
+    finish: Callable  # the pass -> what the caller returns
 
 
 @dataclass

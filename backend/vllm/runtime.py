@@ -69,6 +69,9 @@ class SiteRuntime:
         self.passes: dict[int, Pass] = {}
         self.step: StepTokens | None = None
         self._next_pass_id = 0
+        # test-only: route each request's tokens as the request `routing_shift` places later in the
+        # step, so that the isolation test can show it catches misrouting
+        self.routing_shift = 0
 
     # --- passes (between steps) ----------------------------------------------------------------
     def open_pass(self, prompt_lens: list[int], pad_offsets: list[int], prefill: tuple[int, dict],
@@ -111,7 +114,8 @@ class SiteRuntime:
         row = torch.zeros(n_tokens, dtype=torch.long)
         prompt_len = torch.zeros(n_tokens, dtype=torch.long)
         pad = torch.zeros(n_tokens, dtype=torch.long)
-        for i, req_id in enumerate(req_ids):
+        for i in range(len(req_ids)):
+            req_id = req_ids[(i + self.routing_shift) % len(req_ids)]
             for p in self.passes.values():
                 if req_id in p.rows:
                     r, lo, hi = p.rows[req_id], query_start[i], query_start[i + 1]

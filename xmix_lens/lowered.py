@@ -116,6 +116,23 @@ def to_device(op: LoweredOp, device) -> LoweredOp:
     return replace(op, **fields)
 
 
+def op_digest(op: LoweredOp) -> bytes:
+    """Bytes that change whenever what the op does changes (its kind, positions and tensors)."""
+    import hashlib
+
+    h = hashlib.sha256(type(op).__name__.encode())
+    program = getattr(op, "program", None)
+    tensors = [op.positions] + ([*program.consts] if program else
+                                [getattr(op, name, None) for name in ("scale", "bias", "U", "V", "W")])
+    if program:
+        h.update(repr([(o.op, o.args, o.shape) for o in program.ops]).encode())
+    for t in tensors:
+        if t is not None:
+            h.update(repr((t.dtype, tuple(t.shape))).encode())
+            h.update(t.detach().cpu().contiguous().numpy().tobytes())
+    return h.digest()
+
+
 def describe(op: LoweredOp) -> str:
     """One line per lowered op: which template runs, on which tokens, with which parameters."""
     where = "every position" if op.positions is None else f"positions {op.positions.nonzero().flatten().tolist()}"

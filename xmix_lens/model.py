@@ -9,6 +9,7 @@ One forward pass (`run_with_hooks`, `run_with_cache`, `model(...)`) is:
      hook functions kept.
 """
 import contextlib
+import hashlib
 import os
 import uuid
 from collections.abc import Callable, Iterable, Sequence
@@ -21,7 +22,7 @@ from .backend.vllm.sites import feature_shape
 from .cache import ActivationCache
 from .hook_points import HookPoint
 from .lower import lower
-from .lowered import Read, describe
+from .lowered import AffineWrite, GeneratedWrite, Read, describe, op_digest
 from .models import resolve_model
 from .trace import Tracer
 
@@ -76,7 +77,7 @@ class HookedServedModel:
         self.mod_dict = self.hook_dict
         # per hook point, the per-token feature shape of its act ((d_model,), (n_heads, d_head), ...)
         self.feature_shapes = {name: feature_shape(cfg.family, name, cfg) for name in self.hook_dict}
-        self._context_level = 0
+        self.last_run_stats: dict = {}  # requests, prompt tokens and prefix-cache hits of the last run
 
     # --- construction ---------------------------------------------------------------------------
     @classmethod
@@ -409,14 +410,13 @@ class HookedServedModel:
 
         engine = self.llm.llm_engine
         opened, outputs = [], {}
+        self.last_run_stats = {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0}
         try:
             for rows, offsets, prompt, step, max_new_tokens, sampling in jobs:
                 p = self.runtime.open_pass([len(r) for r in rows], offsets, (prompt.padded_len, prompt.ops),
                                            (step.padded_len, step.ops) if step is not None else None)
                 params = SamplingParams(max_tokens=max_new_tokens, detokenize=False, **{"temperature": 0.0, **sampling})
-                # A fresh cache salt per pass: KV computed under this pass's writes is never reused
-                # by another pass, and every position is recomputed so that reads see all of them.
-                salt = uuid.uuid4().hex
+                salt = _cache_salt(prompt, step)
                 names = [f"xmix-{p.pass_id}-{row}" for row in range(len(rows))]
                 opened.append((p, names, prompt, step))
                 for row, toks in enumerate(rows):
@@ -428,6 +428,9 @@ class HookedServedModel:
                 for out in engine.step():
                     if out.finished:
                         outputs[out.request_id] = list(out.outputs[0].token_ids)
+                        self.last_run_stats["requests"] += 1
+                        self.last_run_stats["prompt_tokens"] += len(out.prompt_token_ids or ())
+                        self.last_run_stats["cached_tokens"] += out.num_cached_tokens or 0
         finally:
             for p, names, _, _ in opened:
                 self.runtime.close_pass(p)
@@ -457,6 +460,31 @@ class TracedHooks:
     kept: list  # (read key, proxy) pairs: proxies the hook functions kept
     graphs: list
     per_request_stores: dict
+
+
+def _cache_salt(prompt: "TracedHooks", step: "TracedHooks | None") -> str | None:
+    """vLLM's prefix-cache salt for a pass's requests.
+
+    KV computed under a pass's writes must never serve a request without the same writes, and a
+    pass that reads (or stores) prompt activations needs every position computed, not cached:
+    - no ops at all: no salt, the cache is shared with plain requests;
+    - only writes, the same for every request: a digest of the ops (same hooks and parameters
+      share KV; other parameters get other blocks);
+    - reads, stores or per-token tables: a fresh salt, nothing is reused."""
+    phases = [prompt] + ([step] if step is not None else [])
+    ops = [op for t in phases for site in sorted(t.ops) for op in t.ops[site]]
+    if not ops:
+        return None
+    if any(not isinstance(op, (AffineWrite, GeneratedWrite)) or isinstance(op, AffineWrite) and op.per_token_bias
+           or isinstance(op, GeneratedWrite) and any(o.op == "table" for o in op.program.ops) for op in ops):
+        return uuid.uuid4().hex
+    digest = hashlib.sha256()
+    for t in phases:
+        for site in sorted(t.ops):
+            digest.update(site.encode())
+            for op in t.ops[site]:
+                digest.update(op_digest(op))
+    return digest.hexdigest()
 
 
 def _next_token_loss(logits: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor, per_token: bool):

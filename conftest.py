@@ -15,11 +15,13 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _ROOT]
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-# CI has no GPU: Triton kernels run in the interpreter. Triton reads this when a kernel is
-# decorated, so it must be set before anything imports xmix_lens.kernels.
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import pytest  # noqa: E402
+import torch  # noqa: E402
+
+# CI has no GPU: Triton kernels run in the interpreter (tests/gpu runs them compiled). Triton reads
+# this when a kernel is decorated, so it must be set before anything imports xmix_lens.kernels.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from xmix_lens import models  # noqa: E402
 

@@ -230,7 +230,7 @@ def test_clamp_direction_coefficient(model, padding_side, served, reference, tol
 def test_probe_readout(model, padding_side, served, reference, tolerance):
     xl, tl = served[model], reference[model]
     _, tol = tolerance(model)
-    w = direction(xl.cfg.d_model, 3)
+    w = torch.randn(xl.cfg.d_model, generator=torch.Generator().manual_seed(3))  # a linear probe's weights
     kept = {}
 
     def probe(act, hook):

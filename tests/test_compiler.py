@@ -9,6 +9,7 @@ from xmix_lens.backend.vllm.runtime import SiteRuntime, StepTokens
 from xmix_lens.ir import evaluate
 from xmix_lens.lower import lower
 from xmix_lens.lowered import AffineWrite, Read
+from xmix_lens import topk_mask
 from xmix_lens.trace import TraceError, Tracer
 
 B, P, F = 3, 5, 16
@@ -45,6 +46,7 @@ v, d = torch.randn(F, generator=gen), torch.randn(F, generator=gen)
 d = d / d.norm()
 clean = torch.randn(B, P, F, generator=gen)
 M = torch.randn(F, 3, generator=gen)
+W_ENC = torch.randn(F, 12, generator=gen) / F ** 0.5
 
 IDIOMS = {
     "steer": lambda act, hook: act + 3.0 * v,
@@ -118,6 +120,8 @@ GENERATED = {
     "sigmoid_tanh_exp": lambda act, hook: torch.sigmoid(act) + torch.tanh(act) - torch.exp(-act.abs()),
     "pow_div": lambda act, hook: act ** 2 / (1.0 + act.abs()),
     "logical": lambda act, hook: act * torch.logical_and(act > -0.5, act < 0.5),
+    "topk_sae_clamp": lambda act, hook: act + (
+        2.0 - topk_mask(torch.relu(act @ W_ENC + 0.1), 3)[..., 1:2]) * W_ENC.T[1],
 }
 
 

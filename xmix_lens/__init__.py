@@ -11,10 +11,11 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 from .cache import ActivationCache  # noqa: E402
+from .functional import topk_mask  # noqa: E402
 from .hook_points import HookPoint  # noqa: E402
 from .model import HookedServedConfig, HookedServedModel, HookedTransformer  # noqa: E402
 from .stores import store  # noqa: E402
 from .trace import TraceError  # noqa: E402
 
 __all__ = ["ActivationCache", "HookPoint", "HookedServedConfig", "HookedServedModel", "HookedTransformer", "TraceError",
-           "store"]
+           "store", "topk_mask"]

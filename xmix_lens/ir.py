@@ -19,7 +19,7 @@ Ops (n: a node, c: a constant tensor):
   <pointwise>(n, ...)            add sub mul div neg abs pow relu gelu sigmoid tanh exp log
                                  gt ge lt le eq ne logical_and logical_or logical_not where clamp
   <reduce>(n)                    max min norm over the last feature dim (sum/mean are `linear`)
-  softmax(n)                     over the last feature dim
+  softmax(n) / topk_mask(n, k)   over the last feature dim
   store(spec)                    a value another hook point put into a store (see store.py)
 """
 from collections.abc import Callable
@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from .functional import topk_mask
 
 POINTWISE: dict[str, Callable] = {
     "add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div, "neg": torch.neg, "abs": torch.abs,
@@ -127,6 +129,8 @@ def evaluate(graph: Graph, act: torch.Tensor, stores: dict | None = None) -> dic
             env[n] = REDUCE[n.op](a[0])
         elif n.op == "softmax":
             env[n] = a[0].softmax(-1)
+        elif n.op == "topk_mask":
+            env[n] = topk_mask(a[0], a[1])
         elif n.op == "linear":
             env[n] = a[1](a[0])
         elif n.op == "reshape":

@@ -270,7 +270,7 @@ class Lowerer:
             raise _fail(n, self.graph, f"{n.op} of constants only")
         like = next((a for a in traced if a.version is not None), traced[0])
         length = None if n.feature_shape == () else _numel(n.feature_shape)
-        if n.op in REDUCE or n.op == "softmax":
+        if n.op in REDUCE or n.op in ("softmax", "topk_mask"):
             if len(like.feature_shape) != 1:
                 raise _fail(n, self.graph, f"{n.op} over the last dim is supported on values with one feature dim")
         if n.op == "linear":

@@ -48,7 +48,7 @@ def _user_line() -> str:
 SUPPORTED = (
     "arithmetic (+ - * / neg abs pow) with numbers, constant tensors and other traced values; relu gelu "
     "sigmoid tanh exp log softmax(-1); comparisons and logical ops; torch.where; clamp; sum mean max min "
-    "norm over the last dim; @ / matmul / einsum / einops.einsum with constant tensors; reshape view "
+    "norm over the last dim; xmix_lens.topk_mask; @ / matmul / einsum / einops.einsum with constant tensors; reshape view "
     "flatten permute transpose of feature dims (einops.rearrange); act[:, k], act[:, a:b], act[:, mask], "
     "act[:, :, head(s)]; assignment into act and in-place ops on act; returning a new act; "
     ".clone() .detach() .cpu() .to()"
@@ -269,6 +269,11 @@ class Tracer:
             cond, a, b = (self.node_of(v) for v in args[:3])
             shape = tuple(torch.broadcast_shapes(cond.shape, a.shape, b.shape))
             return self.proxy(self.add("where", (cond, a, b), shape, max(cond.token_dims, a.token_dims, b.token_dims)))
+        if name == "topk_mask":
+            n, k = x._node, args[1]
+            if not isinstance(k, int) or not n.feature_shape or not 1 <= k <= n.shape[-1]:
+                raise self.fail(f"topk_mask needs an int k in [1, {n.shape[-1] if n.shape else 0}] over the last dim")
+            return self.proxy(self.add("topk_mask", (n, k), n.shape, n.token_dims))
         if name == "softmax":
             dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
             n = x._node

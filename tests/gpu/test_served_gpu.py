@@ -1,0 +1,129 @@
+"""GPU only (the lent H200, vllm 0.26.0): the served path with its real Triton kernels.
+
+Not collected by CI (pyproject ignores tests/gpu). Run there as:
+    XMIX_GPU_MODEL=.gpumodel XMIX_GPU_OUT=$OUT python3 -m pytest -q tests/gpu -o addopts=""
+The model folder holds a Llama config and a tokenizer; weights are vLLM's deterministic dummy
+weights, identical in both engines. The compiled engine (torch.compile on; CUDA graphs are off
+until the graph-safe runtime lands) must give what the eager engine gives, with and without
+hooks, and the hooks must run through the Triton kernels, not the torch twins.
+"""
+import json
+import os
+import time
+
+import pytest
+import torch
+
+import xmix_lens  # noqa: F401  (sets vLLM's environment before vLLM is imported)
+from xmix_lens import HookedServedModel, store
+from xmix_lens.backend.vllm import runtime as site_runtime
+
+pytestmark = pytest.mark.gpu
+
+PROMPTS = ["The capital of France is", "Steering vectors move", "One two three four five six seven eight"]
+RESULTS: dict = {}
+
+
+def record(name: str, **values) -> None:
+    RESULTS[name] = values
+    out = os.environ.get("XMIX_GPU_OUT")
+    if out:
+        RESULTS["_device"] = torch.cuda.get_device_name()
+        RESULTS["_versions"] = {"torch": torch.__version__, "vllm": __import__("vllm").__version__}
+        with open(os.path.join(out, "served_gpu.json"), "w") as f:
+            json.dump(RESULTS, f, indent=1)
+
+
+def build(**kwargs) -> HookedServedModel:
+    start = time.time()
+    model = HookedServedModel.from_pretrained(os.environ.get("XMIX_GPU_MODEL", ".gpumodel"), dtype="bfloat16",
+                                              load_format="dummy", max_model_len=512, gpu_memory_utilization=0.25,
+                                              **kwargs)
+    record(f"engine_start_{'eager' if kwargs.get('enforce_eager') else 'compiled'}", seconds=time.time() - start)
+    return model
+
+
+@pytest.fixture(scope="module")
+def engines():
+    return build(), build(enforce_eager=True)
+
+
+def hook_sets(d_model: int, d_head: int):
+    g = torch.Generator().manual_seed(0)
+    v = torch.randn(d_model, generator=g) * 0.05
+    d = torch.randn(d_model, generator=g)
+    d = d / d.norm()
+
+    def probe(act, hook):
+        store.put("cond", act @ d, reduce="mean")
+
+    return {
+        "steer": [("blocks.2.hook_resid_post", lambda act, hook: act + v)],
+        "remove_direction": [("blocks.3.hook_resid_pre", lambda act, hook: act - (act @ d)[..., None] * d)],
+        "zero_head": [("blocks.1.attn.hook_z", lambda act, hook: act.__setitem__((slice(None), slice(None), 3), 0.0))],
+        "scale_mlp_post": [("blocks.4.mlp.hook_post", lambda act, hook: act * 3.0)],
+        "generated_gate": [("blocks.5.hook_resid_post", lambda act, hook: act + torch.relu(act @ d)[..., None] * v * 50)],
+        "store_gate": [("blocks.1.hook_resid_post", probe),
+                       ("blocks.6.hook_resid_post",
+                        lambda act, hook: act + torch.where(store.get("cond")[..., None] > 0, v, -v))],
+    }
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp(min=1e-6))
+
+
+def test_compiled_equals_eager_with_and_without_hooks(engines):
+    compiled, eager = engines
+    base_c, base_e = compiled(PROMPTS), eager(PROMPTS)
+    unhooked = rel(base_c, base_e)
+    moved, diffs = {}, {}
+    for name, hooks in hook_sets(compiled.cfg.d_model, compiled.cfg.d_head).items():
+        ours = compiled.run_with_hooks(PROMPTS, fwd_hooks=hooks)
+        ref = eager.run_with_hooks(PROMPTS, fwd_hooks=hooks)
+        diffs[name], moved[name] = rel(ours, ref), rel(ours, base_c)
+    record("compiled_vs_eager", unhooked_rel=unhooked, hooked_rel=diffs, moved_rel=moved)
+    assert unhooked < 2e-2
+    for name in diffs:
+        assert diffs[name] < 2e-2, name
+        assert moved[name] > 5 * max(diffs[name], unhooked), f"{name} did not move the logits"
+
+
+def test_hooks_run_through_the_triton_kernels(engines, monkeypatch):
+    compiled, _ = engines
+    calls: dict[str, int] = {}
+    triton_impl = site_runtime._TRITON
+    counted = {}
+    for name in ("affine_write", "gather_rows", "project_read", "run_program"):
+        fn = getattr(triton_impl, name)
+
+        def wrapper(*args, _fn=fn, _name=name, **kwargs):
+            calls[_name] = calls.get(_name, 0) + 1
+            return _fn(*args, **kwargs)
+
+        counted[name] = wrapper
+    monkeypatch.setattr(site_runtime, "_TRITON", type(triton_impl)(**counted))
+    for hooks in hook_sets(compiled.cfg.d_model, compiled.cfg.d_head).values():
+        compiled.run_with_hooks(PROMPTS, fwd_hooks=hooks)
+    record("triton_calls", **calls)
+    assert calls.get("affine_write", 0) > 0 and calls.get("gather_rows", 0) > 0 and calls.get("run_program", 0) > 0
+
+
+def test_triton_kernels_equal_their_twins_inside_the_engine(engines, monkeypatch):
+    compiled, _ = engines
+    hooks = hook_sets(compiled.cfg.d_model, compiled.cfg.d_head)
+    with_triton = {name: compiled.run_with_hooks(PROMPTS, fwd_hooks=h) for name, h in hooks.items()}
+    monkeypatch.setattr(site_runtime, "_TRITON", site_runtime._TORCH)
+    diffs = {name: rel(with_triton[name], compiled.run_with_hooks(PROMPTS, fwd_hooks=h)) for name, h in hooks.items()}
+    record("triton_vs_twins", **diffs)
+    assert all(d < 2e-2 for d in diffs.values())
+
+
+def test_generate_with_hooks_compiled_equals_eager(engines):
+    compiled, eager = engines
+    hooks = hook_sets(compiled.cfg.d_model, compiled.cfg.d_head)["steer"]
+    ours = compiled.generate(PROMPTS, max_new_tokens=12, do_sample=False, return_type="tokens", fwd_hooks=hooks)
+    ref = eager.generate(PROMPTS, max_new_tokens=12, do_sample=False, return_type="tokens", fwd_hooks=hooks)
+    plain = compiled.generate(PROMPTS, max_new_tokens=12, do_sample=False, return_type="tokens")
+    record("generate", equal=bool(torch.equal(ours, ref)), changed_by_hook=not torch.equal(ours, plain))
+    assert torch.equal(ours, ref)

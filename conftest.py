@@ -4,14 +4,6 @@ Engines are expensive (a compiled SmolLM2 engine takes ~45-60 s to start on 2 co
 model gets one session-scoped engine, built on first use, with torch.compile on as users get it.
 """
 import os
-import sys
-from pathlib import Path
-
-# pytest (and `python -m`) put the repository root on sys.path, where the folder kernels/ would
-# shadow PyPI's `kernels` package, which transformers probes at import. The project is installed
-# (editable) as xmix_lens.kernels: take the root off the path before anything imports transformers.
-_ROOT = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _ROOT]
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -304,7 +304,7 @@ def test_logit_lens(model, padding_side, served, reference, tolerance):
     assert max_diff(ours["raw"], resid @ W_lens, mask) <= cache_bound(theirs["raw"], mask, tol)
 
 
-@pytest.mark.xfail(run=False, strict=True, reason=(
+@pytest.mark.xfail(run=False, reason=(
     "lowering `act @ W` for a [d_model, d_vocab] W builds torch.eye(d_vocab) (Lowerer.linear) and multiplies by "
     "it: ~10 GB at d_vocab 49152, the process is killed. Run this test once that is fixed."))
 @pytest.mark.parametrize("model", TINY)
@@ -349,10 +349,9 @@ def small_sae(d_model, n_features=64, seed=5):
 SAE_FEATURE = 7
 
 
-@pytest.mark.xfail(run=False, strict=True, reason=(
+@pytest.mark.xfail(strict=True, raises=ValueError, reason=(
     "`(c - f[..., i])` on a non-affine f lowers to a program whose sub mixes a () and a (1,) operand; the "
-    "program is only validated inside the engine's forward (ValueError there), and the engine then hangs on its "
-    "next pass. Run this test once that is fixed."))
+    "program is only validated inside the engine's forward, which raises ValueError"))
 @pytest.mark.parametrize("model, padding_side", FEW)
 def test_sae_feature_clamp(model, padding_side, served, reference, tolerance):
     xl, tl = served[model], reference[model]

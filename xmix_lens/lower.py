@@ -145,7 +145,7 @@ class Lowerer:
     def to_expr(self, a: Affine) -> Expr:
         F, n = self.F, (None if a.feature_shape == () else a.O)
         x = Expr("x", (), F, a.version, a.span, self.act_features)
-        if _is_identity(a):
+        if _is_identity(a, F):
             return x
         terms = []
         if a.scale is not None:
@@ -166,18 +166,15 @@ class Lowerer:
 
     # --- affine algebra ----------------------------------------------------------------------------
     def add(self, a: Affine, b: Affine, sign: float) -> Affine:
-        if a.scale is not None and b.scale is not None and _same(a.features, b.features):
-            scale, features, U, V = a.scale + sign * b.scale, a.features, torch.cat([a.U, b.U], 1), \
-                torch.cat([a.V, sign * b.V], 0)
-        else:  # scale terms on different features: keep one, carry the other as a low-rank term
-            keep, move = (a, b) if b.scale is None or a.scale is not None else (b, a)
-            s_move = sign if move is b else 1.0
-            s_keep = sign if keep is b else 1.0
-            E = move.scale_matrix(self.F)
-            scale = None if keep.scale is None else s_keep * keep.scale
-            features = keep.features
-            U = torch.cat([keep.U, move.U, E], 1)
-            V = torch.cat([s_keep * keep.V, s_move * move.V, s_move * torch.eye(move.O)], 0)
+        U, V = torch.cat([a.U, b.U], 1), torch.cat([a.V, sign * b.V], 0)
+        if a.scale is None or b.scale is None:  # at most one scale term: keep it as it is
+            scale = a.scale if b.scale is None else sign * b.scale
+            features = a.features if b.scale is None else b.features
+        elif _same(a.features, b.features):
+            scale, features = a.scale + sign * b.scale, a.features
+        else:  # scale terms on different features: keep a's, carry b's as a low-rank term
+            scale, features = a.scale, a.features
+            U, V = torch.cat([U, b.scale_matrix(self.F)], 1), torch.cat([V, sign * torch.eye(b.O)], 0)
         return Affine(a.version, scale, features, U, V, a.bias + sign * b.bias, a.feature_shape, a.span)
 
     def scale_by(self, a: Affine, c: torch.Tensor) -> Affine:
@@ -186,8 +183,12 @@ class Lowerer:
 
     def linear(self, a: Affine, M: torch.Tensor, out_shape) -> Affine:
         U, V = a.U, a.V @ M
-        if a.scale is not None:
-            U, V = torch.cat([U, a.scale_matrix(self.F) @ M], 1), torch.cat([V, torch.eye(M.shape[1])], 0)
+        if a.scale is not None:  # (x[features] * scale) @ M as one more low-rank pair, the smaller way
+            E = a.scale_matrix(self.F)
+            if a.O <= M.shape[1]:  # x @ E, then @ M: rank O (a logit lens: d_model, not d_vocab)
+                U, V = torch.cat([U, E], 1), torch.cat([V, M], 0)
+            else:
+                U, V = torch.cat([U, E @ M], 1), torch.cat([V, torch.eye(M.shape[1])], 0)
         return Affine(a.version, None, None, U, V, a.bias @ M, tuple(out_shape), a.span)
 
     # --- visiting nodes ----------------------------------------------------------------------------
@@ -260,8 +261,9 @@ class Lowerer:
             out = a.reindexed(idx, n.feature_shape)
             out.span = span
             return out
-        return Expr("matmul", (self.as_vector(a), _onehot(idx, _numel(a.feature_shape))), idx.numel(), a.version,
-                    span, n.feature_shape)
+        picked = Expr("matmul", (self.as_vector(a), _onehot(idx, _numel(a.feature_shape))), idx.numel(), a.version,
+                      span, n.feature_shape)
+        return Expr("sum", (picked,), None, a.version, span, ()) if n.feature_shape == () else picked
 
     def expr(self, n: Node, args) -> Expr:
         """A node outside the affine forms: build its per-token expression."""
@@ -365,14 +367,15 @@ class Lowerer:
         keeps = form.span.keeps_pos
         if isinstance(form, Expr):
             return GeneratedRead(key, positions, keeps, linearize(form), form.feature_shape, store)
-        if _is_identity(form):
+        if _is_identity(form, self.F):
             return Read(key, positions, keeps, None, None, form.feature_shape, store)
         W = form.scale_matrix(self.F) + form.U @ form.V
         return Read(key, positions, keeps, W.contiguous(), form.bias, form.feature_shape, store)
 
 
-def _is_identity(a: Affine) -> bool:
-    return (a.scale is not None and a.features is None and bool((a.scale == 1).all()) and a.U.shape[1] == 0
+def _is_identity(a: Affine, F: int) -> bool:
+    in_order = a.features is None or torch.equal(a.features, torch.arange(F))
+    return (a.scale is not None and in_order and bool((a.scale == 1).all()) and a.U.shape[1] == 0
             and a.bias.dim() == 1 and not bool(a.bias.any()))
 
 

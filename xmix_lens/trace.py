@@ -46,7 +46,7 @@ def _user_line() -> str:
 
 
 SUPPORTED = (
-    "arithmetic (+ - * / neg abs pow) with numbers, constant tensors and other traced values; relu gelu "
+    "arithmetic (+ - * / neg abs pow sqrt rsqrt) with numbers, constant tensors and other traced values; relu gelu "
     "sigmoid tanh exp log softmax(-1); comparisons and logical ops; torch.where; clamp; sum mean max min "
     "norm over the last dim; xmix_lens.topk_mask; @ / matmul / einsum / einops.einsum with constant tensors; reshape view "
     "flatten permute transpose of feature dims (einops.rearrange); act[:, k], act[:, a:b], act[:, mask], "
@@ -102,8 +102,10 @@ class TracedTensor(torch.Tensor):
         if name in _METADATA:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
-        tracer = next(a._tracer for a in _flat(args, kwargs) if isinstance(a, TracedTensor))
-        return tracer.record(name, args, kwargs)
+        # the tracer of the hook being called: a value from an earlier hook point (kept in a dict)
+        # is used here, not recorded into the graph it came from
+        tracer = current_tracer() or next(a._tracer for a in _flat(args, kwargs) if isinstance(a, TracedTensor))
+        return tracer.record(name, *tracer.localized(args, kwargs))
 
 
 def _flat(args, kwargs):
@@ -231,6 +233,17 @@ class Tracer:
             out = self.add("reshape", (out, out.feature_shape + (1,)), shape + (1,), n.token_dims)
         return self.proxy(out)
 
+    def localized(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Arguments with values traced at other hook points replaced by this graph's store reads."""
+        def local(a):
+            if isinstance(a, TracedTensor) and a._tracer is not self:
+                return self.proxy(self.imported(a))
+            if isinstance(a, (list, tuple)):
+                return type(a)(local(b) for b in a)
+            return a
+
+        return tuple(local(a) for a in args), {k: local(v) for k, v in kwargs.items()}
+
     def record(self, name: str, args: tuple, kwargs: dict):
         if name in _CONTROL_FLOW:
             raise self.fail(f"`{name}` on a traced value: Python control flow and host reads cannot run in the "
@@ -251,6 +264,9 @@ class Tracer:
             raise self.fail("gelu is supported with approximate='none'")
         if name in _REDUCE:
             return self.reduce(name, x, args, kwargs)
+        if name in ("sqrt", "rsqrt"):
+            n = x._node
+            return self.proxy(self.add("pow", (n, 0.5 if name == "sqrt" else -0.5), n.shape, n.token_dims))
         if name in ("pow", "__pow__"):
             if not isinstance(args[1], (int, float)):
                 raise self.fail("pow is supported with a constant number exponent")
@@ -390,6 +406,9 @@ class Tracer:
         key = key if isinstance(key, tuple) else (key,)
         if key == (Ellipsis, None):
             return "newaxis"
+        if any(k is None for k in key):
+            raise self.fail(f"index {key!r}: a new axis is supported as x[..., None] alone; index first, then "
+                            f"add the axis")
         if Ellipsis in key:
             i = key.index(Ellipsis)
             key = key[:i] + (slice(None),) * (len(node.shape) - len(key) + 1) + key[i + 1:]

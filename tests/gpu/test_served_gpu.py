@@ -43,14 +43,9 @@ def build(**kwargs) -> HookedServedModel:
     return model
 
 
-@pytest.fixture(scope="module")
-def engines():
-    return build(), build(enforce_eager=True)
-
-
 def hook_sets(d_model: int, d_head: int):
     g = torch.Generator().manual_seed(0)
-    v = torch.randn(d_model, generator=g) * 0.05
+    v = torch.randn(d_model, generator=g) * 0.05  # dummy weights are tiny: so are activations
     d = torch.randn(d_model, generator=g)
     d = d / d.norm()
 
@@ -73,15 +68,58 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp(min=1e-6))
 
 
-def test_compiled_equals_eager_with_and_without_hooks(engines):
-    compiled, eager = engines
-    base_c, base_e = compiled(PROMPTS), eager(PROMPTS)
-    unhooked = rel(base_c, base_e)
-    moved, diffs = {}, {}
-    for name, hooks in hook_sets(compiled.cfg.d_model, compiled.cfg.d_head).items():
-        ours = compiled.run_with_hooks(PROMPTS, fwd_hooks=hooks)
-        ref = eager.run_with_hooks(PROMPTS, fwd_hooks=hooks)
-        diffs[name], moved[name] = rel(ours, ref), rel(ours, base_c)
+class CountingKernels:
+    """site_runtime._TRITON with every launch counted, to see that the Triton path ran."""
+
+    def __init__(self, impl):
+        self.impl, self.calls = impl, {}
+
+    def __getattr__(self, name):
+        fn = getattr(self.impl, name)
+
+        def counted(*args, **kwargs):
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return fn(*args, **kwargs)
+
+        return counted
+
+
+def run_everything(model: HookedServedModel, twins_too: bool) -> dict:
+    hooks = hook_sets(model.cfg.d_model, model.cfg.d_head)
+    out = {"base": model(PROMPTS), "hooked": {}, "generate": {}}
+    counting = CountingKernels(site_runtime._TRITON)
+    site_runtime._TRITON = counting
+    try:
+        out["hooked"] = {name: model.run_with_hooks(PROMPTS, fwd_hooks=h) for name, h in hooks.items()}
+    finally:
+        site_runtime._TRITON = counting.impl
+    out["triton_calls"] = counting.calls
+    if twins_too:  # the same hooks with the torch twins in place of the Triton kernels
+        site_runtime._TRITON = site_runtime._TORCH
+        try:
+            out["twins"] = {name: model.run_with_hooks(PROMPTS, fwd_hooks=h) for name, h in hooks.items()}
+        finally:
+            site_runtime._TRITON = counting.impl
+    out["generate"]["steer"] = model.generate(PROMPTS, max_new_tokens=12, do_sample=False, return_type="tokens",
+                                              fwd_hooks=hooks["steer"])
+    out["generate"]["plain"] = model.generate(PROMPTS, max_new_tokens=12, do_sample=False, return_type="tokens")
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """Everything on the compiled engine first, then on the eager one: two in-process engines on
+    one GPU are not used interleaved."""
+    compiled = run_everything(build(), twins_too=True)
+    eager = run_everything(build(enforce_eager=True), twins_too=False)
+    return compiled, eager
+
+
+def test_compiled_equals_eager_with_and_without_hooks(runs):
+    compiled, eager = runs
+    unhooked = rel(compiled["base"], eager["base"])
+    diffs = {n: rel(compiled["hooked"][n], eager["hooked"][n]) for n in compiled["hooked"]}
+    moved = {n: rel(compiled["hooked"][n], compiled["base"]) for n in compiled["hooked"]}
     record("compiled_vs_eager", unhooked_rel=unhooked, hooked_rel=diffs, moved_rel=moved)
     assert unhooked < 2e-2
     for name in diffs:
@@ -89,41 +127,23 @@ def test_compiled_equals_eager_with_and_without_hooks(engines):
         assert moved[name] > 5 * max(diffs[name], unhooked), f"{name} did not move the logits"
 
 
-def test_hooks_run_through_the_triton_kernels(engines, monkeypatch):
-    compiled, _ = engines
-    calls: dict[str, int] = {}
-    triton_impl = site_runtime._TRITON
-    counted = {}
-    for name in ("affine_write", "gather_rows", "project_read", "run_program"):
-        fn = getattr(triton_impl, name)
-
-        def wrapper(*args, _fn=fn, _name=name, **kwargs):
-            calls[_name] = calls.get(_name, 0) + 1
-            return _fn(*args, **kwargs)
-
-        counted[name] = wrapper
-    monkeypatch.setattr(site_runtime, "_TRITON", type(triton_impl)(**counted))
-    for hooks in hook_sets(compiled.cfg.d_model, compiled.cfg.d_head).values():
-        compiled.run_with_hooks(PROMPTS, fwd_hooks=hooks)
+def test_hooks_run_through_the_triton_kernels(runs):
+    compiled, _ = runs
+    calls = compiled["triton_calls"]
     record("triton_calls", **calls)
     assert calls.get("affine_write", 0) > 0 and calls.get("gather_rows", 0) > 0 and calls.get("run_program", 0) > 0
 
 
-def test_triton_kernels_equal_their_twins_inside_the_engine(engines, monkeypatch):
-    compiled, _ = engines
-    hooks = hook_sets(compiled.cfg.d_model, compiled.cfg.d_head)
-    with_triton = {name: compiled.run_with_hooks(PROMPTS, fwd_hooks=h) for name, h in hooks.items()}
-    monkeypatch.setattr(site_runtime, "_TRITON", site_runtime._TORCH)
-    diffs = {name: rel(with_triton[name], compiled.run_with_hooks(PROMPTS, fwd_hooks=h)) for name, h in hooks.items()}
+def test_triton_kernels_equal_their_twins_inside_the_engine(runs):
+    compiled, _ = runs
+    diffs = {n: rel(compiled["hooked"][n], compiled["twins"][n]) for n in compiled["hooked"]}
     record("triton_vs_twins", **diffs)
     assert all(d < 2e-2 for d in diffs.values())
 
 
-def test_generate_with_hooks_compiled_equals_eager(engines):
-    compiled, eager = engines
-    hooks = hook_sets(compiled.cfg.d_model, compiled.cfg.d_head)["steer"]
-    ours = compiled.generate(PROMPTS, max_new_tokens=12, do_sample=False, return_type="tokens", fwd_hooks=hooks)
-    ref = eager.generate(PROMPTS, max_new_tokens=12, do_sample=False, return_type="tokens", fwd_hooks=hooks)
-    plain = compiled.generate(PROMPTS, max_new_tokens=12, do_sample=False, return_type="tokens")
-    record("generate", equal=bool(torch.equal(ours, ref)), changed_by_hook=not torch.equal(ours, plain))
-    assert torch.equal(ours, ref)
+def test_generate_with_hooks_compiled_equals_eager(runs):
+    compiled, eager = runs
+    same = bool(torch.equal(compiled["generate"]["steer"], eager["generate"]["steer"]))
+    changed = not torch.equal(compiled["generate"]["steer"], compiled["generate"]["plain"])
+    record("generate", compiled_equals_eager=same, changed_by_hook=changed)
+    assert same

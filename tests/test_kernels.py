@@ -1,6 +1,5 @@
 """The Triton templates against their torch twins (interpreter, CPU), the twins against loops."""
 
-import zlib
 
 import pytest
 import torch
@@ -9,40 +8,11 @@ from triton.runtime.interpreter import InterpretedFunction
 from xmix_lens import kernels
 from xmix_lens.kernels.affine_write import affine_write_kernel
 
+from kernel_checks import SENTINEL, assert_matches, gen, random_subset, randn  # noqa: F401 (gen: fixture)
+
 # conftest.py sets TRITON_INTERPRET=1 before anything imports the kernels (no GPU in CI)
 if not isinstance(affine_write_kernel, InterpretedFunction):
     raise RuntimeError("xmix_lens.kernels was imported before TRITON_INTERPRET=1 was set (see conftest.py)")
-
-SENTINEL = 12345.0
-
-
-@pytest.fixture
-def gen(request):
-    """A generator seeded differently for every test and parameter set."""
-    return torch.Generator().manual_seed(zlib.crc32(request.node.name.encode()))
-
-
-def randn(*shape, gen, dtype=torch.float32):
-    return torch.randn(*shape, generator=gen).to(dtype)
-
-
-def random_subset(n, k, gen):
-    """k distinct indices of range(n), in random order, as int32."""
-    return torch.randperm(n, generator=gen)[:k].to(torch.int32)
-
-
-def assert_matches(actual, expected):
-    """fp32: ~1e-5 relative. bf16: one bf16 ulp apart (the interpreter truncates to bf16, torch
-    rounds to nearest) plus 1e-5 of fp32 noise, which matters where terms cancel to near 0."""
-    assert actual.dtype == expected.dtype
-    if actual.dtype == torch.float32:
-        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
-    else:
-        actual, expected = actual.float(), expected.float()
-        larger = torch.maximum(actual.abs(), expected.abs())
-        ulp = torch.ldexp(torch.ones_like(larger), torch.frexp(larger).exponent - 8)
-        excess = (actual - expected).abs() - ulp - 1e-5
-        assert (excess <= 0).all(), f"more than one bf16 ulp apart, by up to {excess.max()}"
 
 
 # --- the twins against loops that are obviously right --------------------------------------

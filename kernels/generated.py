@@ -367,7 +367,7 @@ class _Source:
             k, lanes, past = self.number_names[(i, 1)], self.lanes(n), triton.next_power_of_2(n)
             return [
                 f"# {v} = topk_mask({a}, {k}): take the maximum {k} - 1 times, each time removing one lane",
-                f"# holding it (the lowest), so tied values count once each; the maximum left is the",
+                "# holding it (the lowest), so tied values count once each; the maximum left is the",
                 f"# {k}-th largest value, and every lane >= it stays.",
                 f"remaining{i} = {self.masked(a, n, _MINUS_INFINITY)}",
                 f"for _ in range({k} - 1):",
@@ -388,7 +388,7 @@ class _Source:
                 f"# {v} = {a} @ {w[:-4]}, [{width_in}] @ [{width_in}, {n}]: a rank-1 update per input feature,",
                 "# the columns read from x itself",
                 *accumulate,
-                f"    x_j = tl.load(x_ptr + rows * x_row_stride + j, mask=live, other=0.0).to(tl.float32)",
+                "    x_j = tl.load(x_ptr + rows * x_row_stride + j, mask=live, other=0.0).to(tl.float32)",
                 f"    {v} += x_j * {row}",
             ]
         offset = dict(self.plan.scratch)[i]

@@ -3,7 +3,7 @@ and chunked prefill neither loses nor duplicates reads."""
 import pytest
 import torch
 
-from xmix_lens import HookedServedModel, store
+from xmix_lens import HookedServedModel
 from xmix_lens.models import tiny_llama
 
 MODEL = "tiny-llama"

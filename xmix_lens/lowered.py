@@ -5,6 +5,7 @@ A hook on one hook point lowers to a list of ops, run in order on the site tenso
 position is selected, and is an instance of a kernel template (kernels/): its behaviour is the
 contents of its tensors, so changing a parameter never changes code.
 """
+import hashlib
 from dataclasses import dataclass, replace
 
 import torch
@@ -118,8 +119,6 @@ def to_device(op: LoweredOp, device) -> LoweredOp:
 
 def op_digest(op: LoweredOp) -> bytes:
     """Bytes that change whenever what the op does changes (its kind, positions and tensors)."""
-    import hashlib
-
     h = hashlib.sha256(type(op).__name__.encode())
     program = getattr(op, "program", None)
     tensors = [op.positions] + ([*program.consts] if program else

@@ -10,7 +10,6 @@ One forward pass (`run_with_hooks`, `run_with_cache`, `model(...)`) is:
 """
 import contextlib
 import hashlib
-import os
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass

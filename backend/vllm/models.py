@@ -5,7 +5,6 @@ tells the site runtime where each token of a step belongs before the forward run
 are armed comes from the engine's `additional_config={"xmix_lens": {"armed": [...] | "all"}}`;
 with no such entry nothing is armed and the model runs as vLLM's own.
 """
-import torch
 from vllm.model_executor.models.gpt2 import GPT2LMHeadModel
 from vllm.model_executor.models.llama import LlamaForCausalLM
 

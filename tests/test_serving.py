@@ -3,7 +3,7 @@ and chunked prefill neither loses nor duplicates reads."""
 import pytest
 import torch
 
-from xmix_lens import HookedServedModel
+from xmix_lens import HookedServedModel, store
 from xmix_lens.models import tiny_llama
 
 MODEL = "tiny-llama"
@@ -95,3 +95,50 @@ def test_chunked_prefill_writes_and_per_token_stores(served, chunked):
     n0 = len(chunked.to_tokens(PROMPT)[0])
     assert (ours[0, :n0] - theirs[0, :n0]).abs().max() < 1e-4
     assert (ours[1] - theirs[1]).abs().max() < 1e-4
+
+
+@pytest.fixture(scope="module")
+def cramped():
+    """An eager engine with KV room for about one long request at a time: vLLM preempts
+    (and later recomputes) requests as they grow."""
+    model = HookedServedModel.from_pretrained(str(tiny_llama()), enforce_eager=True, max_model_len=256,
+                                              num_gpu_blocks_override=4, max_num_seqs=4)
+    yield model
+    del model
+
+
+def test_preemption_neither_loses_nor_duplicates(served, cramped):
+    reference = served[MODEL]
+    w = torch.randn(cramped.cfg.d_model, generator=torch.Generator().manual_seed(8))
+    v = 4.0 * torch.randn(cramped.cfg.d_model, generator=torch.Generator().manual_seed(9))
+    prompts = [" ".join([PROMPT] * 6), " ".join([PROMPT] * 5) + " indeed", " ".join([PROMPT] * 6) + " yes",
+               " ".join([PROMPT] * 5)]
+
+    def hooks():
+        def probe(act, hook):
+            store.put("cond", act @ w, reduce="mean")
+
+        def gate(act, hook):
+            return act + torch.tanh(store.get("cond"))[..., None] * v
+
+        return [("blocks.0.hook_resid_post", probe), ("blocks.1.hook_resid_pre", gate)]
+
+    seen = []
+    begin = cramped.runtime.begin_step
+
+    def recording(positions):
+        begin(positions)
+        if cramped.runtime.step is not None:
+            step = cramped.runtime.step
+            seen.extend(zip(step.row.tolist(), step.decode.tolist(), positions.tolist()))
+
+    cramped.runtime.begin_step = recording
+    try:
+        ours = cramped.generate(prompts, max_new_tokens=120, do_sample=False, return_type="tokens", fwd_hooks=hooks())
+    finally:
+        del cramped.runtime.begin_step
+    assert len(seen) > len(set(seen)), "no position was computed twice: the engine did not preempt"
+    alone = [reference.generate(p, max_new_tokens=120, do_sample=False, return_type="tokens", fwd_hooks=hooks())[0]
+             for p in prompts]
+    for row, expected in zip(ours, alone):
+        assert torch.equal(row[: len(expected)], expected)

@@ -46,7 +46,12 @@ def demo(args) -> None:
         logits = model.run_with_hooks(neutral, fwd_hooks=[(name, steer)])[0, -1]
         logp = logits.log_softmax(-1)
         shown = "  ".join(f"{w!r} {logp[i]:6.2f}" for w, i in zip(words, ids))
-        print(f"  act + {scale:+.2f} * direction: {shown}   top: {top_tokens(model, logits, 3)}")
+        print(f"  act {'-' if scale < 0 else '+'} {abs(scale):.2f} * direction: {shown}   top: {top_tokens(model, logits, 3)}")
+
+    for scale in (0.0, args.scale, -args.scale):
+        text = model.generate(neutral, max_new_tokens=12, do_sample=False, prepend_bos=False,
+                              fwd_hooks=[(name, lambda act, hook, s=scale: act + s * direction)])
+        print(f"  generated, {scale:+.2f} * direction on every token: {text!r}")
 
     unit = direction / direction.norm()
 
@@ -61,8 +66,8 @@ def demo(args) -> None:
     model.run_with_hooks(POSITIVE, fwd_hooks=[(name, remove), (name, read_after)], padding_side="left")
     print(f"\nafter projecting the direction out at {name}, its largest remaining coefficient: "
           f"{kept['coef'].abs().max():.2e}")
-    print("\nEvery hook above was traced once, lowered to the affine-write / read templates, and run inside "
-          "vLLM's compiled forward.")
+    print("\nEvery hook above was traced once per pass (twice for generate: prompt and new tokens), lowered to "
+          "the affine-write / read templates, and run inside vLLM's forward; print(model.explain(...)) shows how.")
 
 
 def main(argv=None) -> None:

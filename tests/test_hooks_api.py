@@ -185,6 +185,9 @@ def test_changing_hooks_and_parameters_does_not_recompile(model):
         for name in ("blocks.0.hook_resid_post", "blocks.1.hook_attn_out", "ln_final.hook_normalized"):
             results.append(model.run_with_hooks(tokens, fwd_hooks=[(name, lambda a, hook, s=scale: a * s)]))
     model.run_with_cache(tokens)
+    model.generate(PROMPT, max_new_tokens=3, do_sample=False,
+                   fwd_hooks=[("blocks.1.hook_resid_pre", lambda a, hook: a * 0.5)])
+    model.run_batch([(tokens, [("blocks.0.hook_mlp_out", lambda a, hook: a + 1.0)]), (tokens, [])])
     after = (compilation_counter.num_graphs_seen, compilation_counter.num_backend_compilations,
              compilation_counter.num_inductor_compiles)
     assert after == before

@@ -90,7 +90,7 @@ class HookedServedModel:
         """
         from transformers import AutoConfig, AutoTokenizer
 
-        torch_dtype = _DTYPES[dtype] if isinstance(dtype, str) else dtype
+        torch_dtype = _DTYPES.get(dtype) if isinstance(dtype, str) else dtype
         if torch_dtype not in _DTYPES.values():
             raise ValueError(f"dtype {dtype!r} is not supported; use one of {sorted(_DTYPES)}")
         if device not in (None, "cpu", "cuda") and not str(device).startswith("cuda"):

@@ -253,3 +253,12 @@ def test_bad_tokens_and_return_type(usable):
         usable(torch.tensor([[1, usable.cfg.d_vocab + 5]]))
     with pytest.raises(ValueError, match="return_type"):
         usable(PROMPT, return_type="probs")
+
+
+def test_bad_model_arguments_fail_before_any_engine():
+    from xmix_lens import HookedServedModel
+
+    with pytest.raises(ValueError, match="dtype 'int8' is not supported"):
+        HookedServedModel.from_pretrained("smollm2-135m", dtype="int8")
+    with pytest.raises(ValueError, match="local Hugging Face folder|embedded"):
+        HookedServedModel.from_pretrained("meta-llama/Llama-3-8B")

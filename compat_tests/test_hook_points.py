@@ -93,3 +93,22 @@ def test_read_only_hook_leaves_logits_alone(model, served, reference, tolerance)
     assert type(got) is torch.Tensor and got.shape == tokens.shape + (xl.cfg.d_model,)
     ref = ref_cache["blocks.1.hook_resid_post"]
     assert max_diff(got, ref, mask) < 1e-4 * max(float(ref.abs().max()), 1.0)
+
+
+@pytest.mark.parametrize("padding_side", ["right", "left"])
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-gpt2"])
+def test_loss_matches_transformer_lens(model, padding_side, served, reference):
+    """Next-token loss, plain and hooked. TL masks padding only with left-padded strings, so
+    right padding is compared on equal-length prompts (no padding at all)."""
+    xl, tl = served[model], reference[model]
+    prompts = PROMPTS if padding_side == "left" else ["The cat sat on the mat", "One two three four five six"]
+    v = direction(xl.cfg.d_model, 3) * xl.cfg.d_model ** 0.5
+    hooks = [("blocks.0.hook_resid_post", lambda act, hook: act + v)]
+    for fwd_hooks in ([], hooks):
+        ours = xl.run_with_hooks(prompts, fwd_hooks=fwd_hooks, return_type="loss", padding_side=padding_side)
+        theirs = tl.run_with_hooks(prompts, fwd_hooks=fwd_hooks, return_type="loss", padding_side=padding_side)
+        assert abs(float(ours) - float(theirs)) < 1e-4
+    plain = xl(prompts, return_type="loss", padding_side=padding_side)
+    logits, both = xl.run_with_hooks(prompts, fwd_hooks=hooks, return_type="both", padding_side=padding_side)
+    assert abs(float(both) - float(ours)) < 1e-6 and abs(float(ours) - float(plain)) > 1e-2
+    assert logits.shape[:2] == xl.to_tokens(prompts, padding_side=padding_side).shape

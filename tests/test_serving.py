@@ -46,13 +46,15 @@ def test_reads_see_every_position_even_when_cached(served):
     assert bool((cache["blocks.1.hook_resid_post"][0].abs().sum(-1) > 0).all())
 
 
+def eager_tiny_llama(**engine_kwargs) -> HookedServedModel:
+    """A small eager engine (seconds to start) with the scheduling limits a test needs."""
+    return HookedServedModel.from_pretrained(str(tiny_llama()), enforce_eager=True, max_num_seqs=4, **engine_kwargs)
+
+
 @pytest.fixture(scope="module")
 def chunked():
     """An eager engine whose steps hold at most 16 tokens: longer prompts are prefilled in chunks."""
-    model = HookedServedModel.from_pretrained(str(tiny_llama()), enforce_eager=True, max_model_len=128,
-                                              max_num_batched_tokens=16, max_num_seqs=4)
-    yield model
-    del model
+    return eager_tiny_llama(max_model_len=128, max_num_batched_tokens=16)
 
 
 def test_chunked_prefill_loses_and_duplicates_no_reads(served, chunked):
@@ -101,10 +103,7 @@ def test_chunked_prefill_writes_and_per_token_stores(served, chunked):
 def cramped():
     """An eager engine with KV room for about one long request at a time: vLLM preempts
     (and later recomputes) requests as they grow."""
-    model = HookedServedModel.from_pretrained(str(tiny_llama()), enforce_eager=True, max_model_len=256,
-                                              num_gpu_blocks_override=4, max_num_seqs=4)
-    yield model
-    del model
+    return eager_tiny_llama(max_model_len=256, num_gpu_blocks_override=4)
 
 
 def test_preemption_neither_loses_nor_duplicates(served, cramped):

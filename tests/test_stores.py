@@ -72,7 +72,7 @@ def test_prompt_level_reduction_gates_a_later_write(pair, reduce):
     theirs = tl.run_with_hooks(tokens, fwd_hooks=[("blocks.0.hook_resid_post", tl_probe),
                                                   ("blocks.1.hook_attn_out", tl_gated)])
     assert (ours - theirs).abs().max() < 1e-4
-    assert (ctx["score"] > 0).any() or (ctx["score"] <= 0).any()
+    assert (ours - xl(tokens)).abs().max() > 0.1  # the gated write took effect
 
 
 def test_last_position_value_is_per_request(pair):

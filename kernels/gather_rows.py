@@ -27,10 +27,11 @@ def gather_rows_kernel(
 ):
     entries = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.program_id(1) * BLOCK_FEATURES + tl.arange(0, BLOCK_FEATURES)
-    mask = (entries < R)[:, None] & (cols < F)[None, :]
     # int64 offsets: T * F can pass 2**31 on large engine steps.
     rows = tl.load(rows_ptr + entries, mask=entries < R, other=0).to(tl.int64)
-    slots = tl.load(dest_ptr + entries, mask=entries < R, other=0).to(tl.int64)
+    live = (entries < R) & (rows >= 0)  # a row of -1 is a token this launch leaves alone
+    mask = live[:, None] & (cols < F)[None, :]
+    slots = tl.load(dest_ptr + entries, mask=live, other=0).to(tl.int64)
     values = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask)
     tl.store(out_ptr + slots[:, None] * out_row_stride + cols[None, :],
              values.to(out_ptr.dtype.element_ty), mask=mask)
@@ -52,4 +53,6 @@ def gather_rows(x, rows, out, dest) -> None:
 
 def gather_rows_torch(x, rows, out, dest) -> None:
     """The same copy in plain torch (what the CPU engine runs)."""
+    live = rows >= 0
+    rows, dest = rows[live], dest[live]
     out[dest] = x[rows].to(out.dtype)

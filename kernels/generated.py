@@ -41,7 +41,7 @@ softmax and topk_mask are unspecified.
 
 Contracts (shared with the torch twin):
   x            [T, F] fp32 or bf16, rows contiguous (a row stride is allowed); a write is in place
-  rows         [R] int32, distinct token indices into x
+  rows         [R] int32, distinct token indices into x; -1 skips the entry (a gated-off token)
   table_index  [R] int32, each token's row into every `table` const (None without table ops)
   consts       fp32 contiguous on x's device: const () or (n,), matmul [n, k],
                table [N, n] or, for (), [N] or [N, 1]
@@ -65,6 +65,7 @@ Example: steering through a gate, x + relu(x . d) * v with F = 200, generates
             live = entries < R
             # int64 offsets: T * F can pass 2**31 on large engine steps.
             rows = tl.load(rows_ptr + entries, mask=live, other=0).to(tl.int64)
+            live = live & (rows >= 0)  # a row of -1 is a token this launch leaves alone
             v0 = tl.load(x_ptr + rows * x_row_stride + lanes200, mask=live & in200, other=0.0).to(tl.float32)
             v1 = tl.load(c0_ptr + lanes200, mask=in200, other=0.0)
             v2 = v0 * v1
@@ -441,6 +442,7 @@ class _Source:
             "live = entries < R",
             "# int64 offsets: T * F can pass 2**31 on large engine steps.",
             "rows = tl.load(rows_ptr + entries, mask=live, other=0).to(tl.int64)",
+            "live = live & (rows >= 0)  # a row of -1 is a token this launch leaves alone",
         ]
         if any(name == "table" for name, _, _ in plan.ops):
             rows.append("table_rows = tl.load(table_index_ptr + entries, mask=live, other=0).to(tl.int64)")
@@ -628,6 +630,10 @@ def run_program_torch(x, rows, program, table_index, out=None, dest=None) -> Non
     """
     plan = _plan(_structure(program, x.shape[1]))
     _arguments(plan, x, rows, program, table_index, out, dest)
+    live = rows >= 0
+    rows = rows[live]
+    table_index = table_index[live] if table_index is not None else None
+    dest = dest[live] if dest is not None else None
     R = rows.numel()
     if R == 0:
         return

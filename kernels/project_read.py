@@ -8,7 +8,7 @@ buffer then carries K values a token instead of F.
 
 Contracts (shared with the torch twin):
   x     [T, F] fp32 or bf16, rows contiguous (a row stride is allowed)
-  rows  [R] int32 token indices into x
+  rows  [R] int32 token indices into x; -1 skips the entry (a gated-off token)
   W     [F, K] fp32 contiguous, b [K] fp32
   out   [capacity, K] any float dtype, rows contiguous; only rows dest[:] are written
   dest  [R] int32 slots in out, distinct
@@ -35,12 +35,13 @@ def project_read_kernel(
     outputs = tl.program_id(1) * BLOCK_OUTPUTS + tl.arange(0, BLOCK_OUTPUTS)
     # int64 offsets: T * F can pass 2**31 on large engine steps.
     rows = tl.load(rows_ptr + entries, mask=entries < R, other=0).to(tl.int64)
+    live = (entries < R) & (rows >= 0)  # a row of -1 is a token this launch leaves alone
     features = tl.arange(0, BLOCK_FEATURES)
 
     accumulator = tl.zeros((BLOCK_ROWS, BLOCK_OUTPUTS), dtype=tl.float32)
     for f0 in range(0, F, BLOCK_FEATURES):
         cols = f0 + features
-        x_mask = (entries < R)[:, None] & (cols < F)[None, :]
+        x_mask = live[:, None] & (cols < F)[None, :]
         x_block = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=x_mask, other=0.0)
         w_mask = (cols < F)[:, None] & (outputs < K)[None, :]
         w_block = tl.load(w_ptr + cols[:, None] * K + outputs[None, :], mask=w_mask, other=0.0)
@@ -49,8 +50,8 @@ def project_read_kernel(
         accumulator += tl.dot(x_block.to(tl.float32), w_block, input_precision="ieee")
     accumulator += tl.load(b_ptr + outputs, mask=outputs < K, other=0.0)[None, :]
 
-    slots = tl.load(dest_ptr + entries, mask=entries < R, other=0).to(tl.int64)
-    out_mask = (entries < R)[:, None] & (outputs < K)[None, :]
+    slots = tl.load(dest_ptr + entries, mask=live, other=0).to(tl.int64)
+    out_mask = live[:, None] & (outputs < K)[None, :]
     tl.store(out_ptr + slots[:, None] * out_row_stride + outputs[None, :],
              accumulator.to(out_ptr.dtype.element_ty), mask=out_mask)
 
@@ -73,4 +74,6 @@ def project_read(x, rows, W, b, out, dest) -> None:
 
 def project_read_torch(x, rows, W, b, out, dest) -> None:
     """The same projection in plain torch (what the CPU engine runs)."""
+    live = rows >= 0
+    rows, dest = rows[live], dest[live]
     out[dest] = (x[rows].float() @ W + b).to(out.dtype)

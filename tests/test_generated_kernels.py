@@ -319,6 +319,26 @@ def test_no_rows_is_a_no_op(gen):
     assert torch.equal(x, before_x) and torch.equal(out, before_out)
 
 
+def test_gated_rows_are_skipped(gen):
+    """A row of -1 (a token gated off in a graph-replayed step) is neither written nor read."""
+    F, T = 96, 20
+    x = randn(T, F, gen=gen)
+    live = random_subset(T, 7, gen)
+    rows = torch.full((T,), -1, dtype=torch.int32)
+    rows[live.long()] = live
+    dest = torch.arange(T, dtype=torch.int32)
+    write, read = steering_gate(F, gen), softmax_dot(F, gen)
+    for run in (generated.run_program, generated.run_program_torch):
+        gated, expected = x.clone(), x.clone()
+        run(gated, rows, write, None)
+        generated.run_program_torch(expected, live, write, None)
+        assert_matches(gated, expected)
+        out, reference = torch.full((T, 1), SENTINEL), torch.full((T, 1), SENTINEL)
+        run(x, rows, read, None, out, dest)
+        generated.run_program_torch(x, live, read, None, reference, live)
+        assert_matches(out, reference)
+
+
 # --- what is refused ---------------------------------------------------------------------------------
 def test_malformed_programs_are_refused(gen):
     F, x = 96, randn(4, 96, gen=gen)

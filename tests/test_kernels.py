@@ -148,3 +148,35 @@ def test_no_rows_is_a_no_op(gen):
     kernels.gather_rows(x, none, out, none)
     kernels.project_read(x, none, torch.ones(129, 129), torch.ones(129), out, none)
     assert torch.equal(x, before_x) and torch.equal(out, before_out)
+
+
+# --- gating: a row of -1 is a token the launch leaves alone ---------------------------------------
+# Graph-replayed steps launch every resident op over all of the step's tokens; the host gates
+# tokens off by writing -1 into the op's fixed rows buffer. Gated-off tokens must be untouched.
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_gated_rows_are_skipped_by_every_template(impl, gen):
+    T, F, K, capacity = 40, 129, 2, 40
+    x = randn(T, F, gen=gen)
+    live = random_subset(T, 17, gen)
+    rows = torch.full((T,), -1, dtype=torch.int32)
+    rows[live.long()] = live  # a gated rows buffer: token t at entry t, or -1
+    dest = torch.arange(T, dtype=torch.int32)
+    ops = (kernels if impl == "triton" else
+           type("twins", (), {n: staticmethod(getattr(kernels, n + "_torch"))
+                              for n in ("affine_write", "gather_rows", "project_read")}))
+    scale, bias, U, V = randn(1, F, gen=gen), randn(1, F, gen=gen), randn(F, K, gen=gen) / F, randn(K, F, gen=gen)
+    zeros = torch.zeros(T, dtype=torch.int32)
+
+    gated, expected = x.clone(), x.clone()
+    ops.affine_write(gated, rows, scale, zeros, bias, zeros, U, V)
+    kernels.affine_write_torch(expected, live, scale, zeros[:17], bias, zeros[:17], U, V)
+    assert_matches(gated, expected)
+
+    W, b = randn(F, K, gen=gen), randn(K, gen=gen)
+    for launch, width, args in (("gather_rows", F, ()), ("project_read", K, (W, b))):
+        out = torch.full((capacity, width), SENTINEL)
+        getattr(ops, launch)(x, rows, *args, out, dest)
+        reference = torch.full((capacity, width), SENTINEL)
+        getattr(kernels, launch + "_torch")(x, live, *args, reference, live)
+        assert_matches(out, reference)

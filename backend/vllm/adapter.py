@@ -1,9 +1,12 @@
 """Everything that depends on vLLM's internals and versions (CPU 0.27.1, GPU 0.26.0) lives here."""
+import dataclasses
+
 from vllm.forward_context import get_forward_context, is_forward_context_available
 
 
-def model_runner(llm):
-    """The in-process model runner of an `LLM` (needs VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+def bind(llm):
+    """The in-process model runner of an `LLM` (needs VLLM_ENABLE_V1_MULTIPROCESSING=0), with the
+    model's site runtime attached to it."""
     try:
         core = llm.llm_engine.engine_core.engine_core
     except AttributeError as e:
@@ -11,18 +14,49 @@ def model_runner(llm):
             "xmix-lens needs vLLM's in-process engine: set VLLM_ENABLE_V1_MULTIPROCESSING=0 "
             "before vLLM is imported (importing xmix_lens first sets it)") from e
     runner = core.model_executor.driver_worker.worker.model_runner
+    runtime = runner.model.xmix_runtime
+    runtime.model_runner = runner
     if not hasattr(runner, "input_batch") and not hasattr(runner, "xmix_input_batch"):
-        # vLLM's newer GPU runner (0.26) builds each step's batch in a local variable: keep the
-        # latest one where the site runtime can read the step's request order
-        prepare = runner.prepare_inputs
+        _hook_gpu_runner(runner, runtime)
+    return runner, runtime
 
-        def prepare_and_keep(*args, **kwargs):
-            runner.xmix_input_batch = batch = prepare(*args, **kwargs)
-            return batch
 
-        runner.xmix_input_batch = None
-        runner.prepare_inputs = prepare_and_keep
-    return runner
+def _hook_gpu_runner(runner, runtime) -> None:
+    """vLLM 0.26's GPU runner replays FULL CUDA graphs without calling the model's forward, and
+    builds each step's batch in a local variable. Wrapped on the instance:
+      - prepare_inputs: keep the batch (the step's request order) and prepare the control plane
+        for the step, whether the step then replays a graph or not;
+      - the CUDA-graph dispatcher: no graph for steps whose sites must run Python (host-planned
+        passes, apps installed after capture); every other step keeps its graph."""
+    prepare = runner.prepare_inputs
+
+    def prepare_and_keep(*args, **kwargs):
+        runner.xmix_input_batch = batch = prepare(*args, **kwargs)
+        n = batch.num_reqs
+        runtime.control.prepare_step(batch.req_ids[:n], batch.query_start_loc_np[: n + 1], batch.num_tokens,
+                                     batch.positions, batch.num_tokens_after_padding)
+        return batch
+
+    runner.xmix_input_batch = None
+    runner.prepare_inputs = prepare_and_keep
+    runtime.runner_prepares_steps = True
+
+    manager = getattr(runner, "cudagraph_manager", None)
+    if manager is None:
+        return
+    from vllm.config import CUDAGraphMode
+
+    dispatch = manager.dispatch
+
+    def dispatch_unless_eager(num_reqs, num_tokens, *args, **kwargs):
+        desc = dispatch(num_reqs, num_tokens, *args, **kwargs)
+        if desc.cg_mode == CUDAGraphMode.NONE or not runtime.needs_eager_steps:
+            return desc
+        runtime.eager_steps += 1
+        return dataclasses.replace(desc, cg_mode=CUDAGraphMode.NONE, num_tokens=num_tokens, num_reqs=num_reqs,
+                                   uniform_token_count=None)
+
+    manager.dispatch = dispatch_unless_eager
 
 
 def step_requests(runner) -> tuple[list[str], list[int]]:

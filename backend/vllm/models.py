@@ -5,6 +5,7 @@ tells the site runtime where each token of a step belongs before the forward run
 are armed comes from the engine's `additional_config={"xmix_lens": {"armed": [...] | "all"}}`;
 with no such entry nothing is armed and the model runs as vLLM's own.
 """
+import torch
 from vllm.model_executor.models.gpt2 import GPT2LMHeadModel
 from vllm.model_executor.models.llama import LlamaForCausalLM
 
@@ -12,11 +13,21 @@ from .runtime import SiteRuntime
 from .sites import install_sites, site_names
 
 
-def armed_sites(vllm_config, family: str, n_layers: int) -> set[str]:
+def _xmix_config(vllm_config) -> dict:
     extra = vllm_config.additional_config or {}
-    armed = extra.get("xmix_lens", {}).get("armed", []) if isinstance(extra, dict) else []
+    return extra.get("xmix_lens", {}) if isinstance(extra, dict) else {}
+
+
+def armed_sites(vllm_config, family: str, n_layers: int) -> set[str]:
+    armed = _xmix_config(vllm_config).get("armed", [])
     every = site_names(family, n_layers)
     return set(every) if armed == "all" else set(armed) & set(every)
+
+
+def _max_step_tokens(vllm_config) -> int:
+    """The most tokens one forward can hold: a scheduled step, or a padded CUDA-graph batch."""
+    captured = vllm_config.compilation_config.cudagraph_capture_sizes or [0]
+    return max(vllm_config.scheduler_config.max_num_batched_tokens, max(captured))
 
 
 class _Instrumented:
@@ -26,7 +37,8 @@ class _Instrumented:
         n_layers = vllm_config.model_config.hf_config.num_hidden_layers
         armed = armed_sites(vllm_config, self.family, n_layers)
         names = install_sites(self, self.family, n_layers, armed)
-        self.xmix_runtime = SiteRuntime(self.family, names, armed)
+        self.xmix_runtime = SiteRuntime(self.family, names, armed, torch.device(vllm_config.device_config.device),
+                                        _max_step_tokens(vllm_config), _xmix_config(vllm_config).get("apps_key"))
 
     def forward(self, input_ids, positions, *args, **kwargs):
         self.xmix_runtime.begin_step(positions)

@@ -19,6 +19,7 @@ from xmix_lens import kernels
 from xmix_lens.lowered import AffineWrite, GeneratedRead, GeneratedWrite, LoweredOp, Read, to_device
 
 from . import adapter
+from .control import ControlPlane
 
 
 @dataclass
@@ -42,6 +43,7 @@ class Pass:
     rows: dict[str, int] = field(default_factory=dict)  # vLLM request id -> batch row
     reads: dict[object, torch.Tensor] = field(default_factory=dict)  # read key -> host tensor [B, P, ...]
     read_ops: dict[object, LoweredOp] = field(default_factory=dict)
+    app_results: list[dict] = field(default_factory=list)  # per row: what its installed apps read
 
     def phases(self):
         return [(False, self.prefill)] + ([(True, self.decode)] if self.decode is not None else [])
@@ -61,17 +63,36 @@ class StepTokens:
 
 
 class SiteRuntime:
-    def __init__(self, family: str, site_names: list[str], armed: set[str]) -> None:
+    def __init__(self, family: str, site_names: list[str], armed: set[str], device: torch.device,
+                 max_tokens: int, apps_key: str | None = None) -> None:
         self.family, self.site_names, self.armed = family, site_names, armed
         self.site_id = {name: i for i, name in enumerate(site_names)}
         self.model_runner = None  # bound by the facade: where the step's request order comes from
-        self.device = torch.device("cpu")  # the engine's device, where lowered ops' tensors go
+        self.device = device  # the engine's device, where lowered ops' tensors go
+        # installed apps: resident ops, graph-safe (control.py)
+        self.control = ControlPlane(device, max_tokens)
+        # whether the model runner prepares the control plane before each step (vLLM 0.26's GPU
+        # runner, where a replayed CUDA graph skips the model's forward); else the forward does
+        self.runner_prepares_steps = False
+        self.eager_steps = 0  # steps run without CUDA graphs because their sites must run Python
+        for name, ops_by_hook_point in PENDING_APPS.pop(apps_key, []):
+            self.install_app(name, ops_by_hook_point)
         self.passes: dict[int, Pass] = {}
         self.step: StepTokens | None = None
         self._next_pass_id = 0
         # test-only: route each request's tokens as the request `routing_shift` places later in the
         # step, so that the isolation test can show it catches misrouting
         self.routing_shift = 0
+
+    # --- installed apps (between steps) -----------------------------------------------------------
+    def install_app(self, name: str, ops_by_hook_point: dict[str, list[LoweredOp]]):
+        unarmed = sorted(set(ops_by_hook_point) - self.armed)
+        if unarmed:
+            raise RuntimeError(f"hook points not armed in this engine: {unarmed}")
+        return self.control.install(name, {self.site_id[n]: ops for n, ops in ops_by_hook_point.items()})
+
+    def set_app_params(self, name: str, ops_by_hook_point: dict[str, list[LoweredOp]]) -> int:
+        return self.control.set_params(name, {self.site_id[n]: ops for n, ops in ops_by_hook_point.items()})
 
     # --- passes (between steps) ----------------------------------------------------------------
     def open_pass(self, prompt_lens: list[int], pad_offsets: list[int], prefill: tuple[int, dict],
@@ -100,14 +121,29 @@ class SiteRuntime:
         self.passes.pop(p.pass_id, None)
 
     # --- per step ------------------------------------------------------------------------------
+    @property
+    def needs_eager_steps(self) -> bool:
+        """Whether the coming steps must run the sites' Python (no CUDA-graph replay): a pass's
+        host-planned ops are in flight, or an app installed after graph capture is selected."""
+        return self._host_passes() or self.control.needs_eager_steps
+
+    def _host_passes(self) -> bool:
+        return any(p.rows and (p.prefill.ops or p.decode and p.decode.ops) for p in self.passes.values())
+
     def begin_step(self, positions: torch.Tensor) -> None:
+        """Called by the model's forward (not replayed by CUDA graphs: eager and compiled steps only)."""
         global _active
         _active = self
         self.step = None
-        if not any(p.rows for p in self.passes.values()):
+        host_passes = self._host_passes()
+        if not host_passes and (self.runner_prepares_steps or not self.control.ops):
             return
         req_ids, query_start = adapter.step_requests(self.model_runner)
         if not req_ids:
+            return
+        if not self.runner_prepares_steps:
+            self.control.prepare_step(req_ids, query_start, positions.shape[0], positions)
+        if not host_passes:
             return
         n_tokens = positions.shape[0]
         pass_id = torch.full((n_tokens,), -1, dtype=torch.long)
@@ -126,6 +162,8 @@ class SiteRuntime:
         self.step = StepTokens(pass_id, row, decode, torch.where(decode, 0, positions + pad))
 
     def run_site(self, x: torch.Tensor, site_id: int) -> None:
+        # installed apps first (in install order), then the hooks of the passes in flight
+        self.control.launch(x, site_id, _TRITON if x.is_cuda else _TORCH)
         if self.step is None:
             return
         for p in self.passes.values():
@@ -225,6 +263,10 @@ _TRITON = SimpleNamespace(affine_write=kernels.affine_write, gather_rows=kernels
                           project_read=kernels.project_read, run_program=kernels.run_program)
 _TORCH = SimpleNamespace(affine_write=kernels.affine_write_torch, gather_rows=kernels.gather_rows_torch,
                          project_read=kernels.project_read_torch, run_program=kernels.run_program_torch)
+
+# Apps to install when the engine's model is built, before it captures CUDA graphs, keyed by the
+# `apps_key` of the engine's additional_config, so that the engine being built finds its own.
+PENDING_APPS: dict[str, list] = {}
 
 _active: SiteRuntime | None = None  # the runtime of the engine whose forward is running
 

@@ -1,0 +1,310 @@
+"""The graph-safe control plane: resident ops, gated per token through fixed-address buffers.
+
+An app installed in an engine becomes *resident*: its lowered ops stay at their sites for the
+life of the engine, with their tensors at fixed device addresses. At a site, every resident op is
+launched over all of the step's tokens, every step, with the same arguments:
+
+    rows  = control[op, ROWS, :T]    token t, or -1 where the op leaves the token alone
+    dest  = control[op, DEST, :T]    a read's slot in the op's ring (ring slot * max_tokens + t)
+
+So a CUDA graph captured with the op in it replays correctly whatever requests, apps and
+parameters a later step has: between steps the host only writes buffers.
+  - choosing a request's apps (`select`) and activating or deactivating an app: the host's
+    per-request app sets, turned into `control` rows before each step (one host-to-device copy);
+  - new parameters (`set_params`): copied into the op's tensors in place.
+Nothing is recaptured, restarted or drained for any of these.
+
+Reads (the messenger): a read op writes each live token's value into its ring buffer, slot
+`step % RING_DEPTH`, and the step's positions are copied beside them. When the next step is
+prepared, the host queues the copy of the finished step's slot into pinned host memory (stream
+ordered, non-blocking) and files values whose copy has completed under (request, position).
+A position computed twice (preemption recomputes a request; chunked prefill never does) keeps
+its latest value: nothing is lost or duplicated. Device memory, per engine:
+control 2 x MAX_RESIDENT_OPS x max_tokens int32, and per read op RING_DEPTH x max_tokens x width fp32.
+
+An op installed after the engine captured its CUDA graphs is not in them. Its launches run only in
+steps the engine runs without graphs: requests that select such an app make their steps eager
+(`needs_eager_steps`), which is correct and reported, never a silently dropped hook.
+"""
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import torch
+
+from xmix_lens.lowered import AffineWrite, GeneratedRead, GeneratedWrite, LoweredOp, Read, to_device
+
+MAX_RESIDENT_OPS = 64
+RING_DEPTH = 2
+ROWS, DEST = 0, 1
+
+
+@dataclass
+class ResidentOp:
+    app: str
+    site: int
+    index: int  # its row of the control buffer
+    op: LoweredOp
+    ring: torch.Tensor | None = None  # reads: [RING_DEPTH * max_tokens, width] fp32
+    captured: bool = False  # launched while a CUDA graph was being captured
+
+
+@dataclass
+class ResidentApp:
+    name: str
+    ops: list[ResidentOp]
+    version: int = 0
+    active: bool = True  # deactivated apps stay resident (their graph launches are gated off)
+
+
+@dataclass
+class _Step:
+    """What the host keeps of a prepared step until its reads are filed."""
+
+    slot: int
+    n_tokens: int
+    req_ids: list[str]
+    query_start: np.ndarray  # [n + 1]
+    live: dict[int, np.ndarray]  # read op index -> bool [n_tokens]
+    host: dict | None = None  # the pinned copies, once queued
+    event: object = None
+
+
+@dataclass
+class ControlPlane:
+    device: torch.device
+    max_tokens: int
+    apps: dict[str, ResidentApp] = field(default_factory=dict)
+    ops: list[ResidentOp] = field(default_factory=list)
+    by_site: dict[int, list[ResidentOp]] = field(default_factory=dict)
+    selected: dict[str, frozenset] = field(default_factory=dict)  # vLLM request id -> its apps
+    defaults: frozenset = frozenset()  # the apps of requests that chose none (e.g. sent to vLLM directly)
+    results: dict[str, dict] = field(default_factory=dict)  # request id -> (app, read key) -> [(pos, values)]
+    step_count: int = 0
+
+    def __post_init__(self):
+        pin = self.device.type == "cuda"
+        self.control = torch.full((MAX_RESIDENT_OPS, 2, self.max_tokens), -1, dtype=torch.int32, device=self.device)
+        # staged on the host, copied in one piece; two of them, so that a copy still in flight is
+        # never overwritten by the next step's preparation
+        self._staging = [torch.full((MAX_RESIDENT_OPS, 2, self.max_tokens), -1, dtype=torch.int32,
+                                    pin_memory=pin) for _ in range(RING_DEPTH)]
+        self._staged_events = [None] * RING_DEPTH
+        self.zeros = torch.zeros(self.max_tokens, dtype=torch.int32, device=self.device)
+        self.ring_positions = torch.zeros(RING_DEPTH, self.max_tokens, dtype=torch.long, device=self.device)
+        self._pending: list[_Step] = []  # prepared steps whose reads are not filed yet
+        self._pin = pin
+
+    # --- installing and choosing (between steps) --------------------------------------------------
+    def install(self, name: str, ops_by_site: dict[int, list[LoweredOp]]) -> ResidentApp:
+        if name in self.apps:
+            raise ValueError(f"an app named {name!r} is installed already; uninstall it or choose another name")
+        count = sum(len(ops) for ops in ops_by_site.values())
+        if len(self.ops) + count > MAX_RESIDENT_OPS:
+            raise ValueError(f"installing {name!r} needs {count} resident ops; this engine holds "
+                             f"{MAX_RESIDENT_OPS - len(self.ops)} more (MAX_RESIDENT_OPS = {MAX_RESIDENT_OPS})")
+        resident = []
+        for site, ops in ops_by_site.items():
+            for op in ops:
+                _check_resident(name, op)
+                if isinstance(op, Read) and op.W is not None and op.bias is None:
+                    op = replace(op, bias=torch.zeros(op.W.shape[1]))  # allocated once, not per launch
+                entry = ResidentOp(name, site, len(self.ops), to_device(op, self.device))
+                if isinstance(op, (Read, GeneratedRead)):
+                    width = int(np.prod(op.feature_shape, dtype=np.int64))
+                    entry.ring = torch.zeros(RING_DEPTH * self.max_tokens, width, device=self.device)
+                self.ops.append(entry)
+                self.by_site.setdefault(site, []).append(entry)
+                resident.append(entry)
+        app = self.apps[name] = ResidentApp(name, resident)
+        return app
+
+    def set_params(self, name: str, ops_by_site: dict[int, list[LoweredOp]]) -> int:
+        """New tensors for an installed app's ops, copied in place: same structure, same addresses."""
+        app = self._app(name)
+        new = [op for site in ops_by_site for op in ops_by_site[site]]
+        if [(o.site, _structure(o.op)) for o in app.ops] != [
+                (site, _structure(op)) for site in ops_by_site for op in ops_by_site[site]]:
+            raise ValueError(f"the new parameters of {name!r} change what its hooks do, not only their values; "
+                             "install it as a new app instead")
+        for entry, op in zip(app.ops, new):
+            for old, value in zip(_tensors(entry.op), _tensors(op)):
+                old.copy_(value)
+        app.version += 1
+        return app.version
+
+    def set_active(self, name: str, active: bool) -> None:
+        self._app(name).active = active
+
+    def check_installed(self, names) -> None:
+        for name in names:
+            self._app(name)
+
+    def select(self, req_id: str, names) -> None:
+        self.check_installed(names)
+        self.selected[req_id] = frozenset(names)
+
+    def set_defaults(self, names) -> None:
+        self.check_installed(names)
+        self.defaults = frozenset(names)
+
+    def forget(self, req_id: str) -> None:
+        self.selected.pop(req_id, None)
+
+    def take_results(self, req_id: str) -> dict:
+        """Each read's values for a request, by (app, read key): (positions [n], values [n, width])."""
+        out = {}
+        for key, chunks in self.results.pop(req_id, {}).items():
+            by_position = {}
+            for positions, values in chunks:  # later chunks win: a recomputed position counts once
+                for p, v in zip(positions.tolist(), values):
+                    by_position[p] = v
+            order = sorted(by_position)
+            out[key] = (torch.tensor(order, dtype=torch.long), torch.stack([by_position[p] for p in order]))
+        return out
+
+    def _app(self, name: str) -> ResidentApp:
+        if name not in self.apps:
+            raise KeyError(f"no app named {name!r} is installed; installed: {sorted(self.apps)}")
+        return self.apps[name]
+
+    @property
+    def needs_eager_steps(self) -> bool:
+        """Whether a request in flight uses an op that no captured CUDA graph contains."""
+        uncaptured = {o.app for o in self.ops if not o.captured}
+        return any(names & uncaptured for names in [*self.selected.values(), self.defaults])
+
+    # --- per step ---------------------------------------------------------------------------------
+    def prepare_step(self, req_ids: list[str], query_start, n_tokens: int, positions: torch.Tensor,
+                     n_padded: int | None = None) -> None:
+        """Fill the control rows for the coming step and queue the previous step's reads home."""
+        if not self.ops:
+            return
+        self._queue_home()
+        slot = self.step_count % RING_DEPTH
+        self.step_count += 1
+        query_start = np.asarray(query_start[: len(req_ids) + 1])
+        staging = self._staging[slot]
+        if self._staged_events[slot] is not None:
+            self._staged_events[slot].synchronize()  # its copy from two steps ago is long done
+        width = max(n_padded or n_tokens, n_tokens)
+        staging[: len(self.ops), :, :width] = -1
+        tokens = np.arange(n_tokens, dtype=np.int32)
+        counts = np.diff(query_start)
+        token_request = np.repeat(np.arange(len(req_ids)), counts)
+        live: dict[int, np.ndarray] = {}
+        for op in self.ops:
+            app = self.apps[op.app]
+            if not app.active:
+                continue
+            wants = np.array([op.app in self.selected.get(r, self.defaults) for r in req_ids], dtype=bool)
+            if not wants.any():
+                continue
+            on = wants[token_request]
+            rows = np.where(on, tokens, -1)
+            staging[op.index, ROWS, :n_tokens] = torch.from_numpy(rows)
+            if op.ring is not None:
+                staging[op.index, DEST, :n_tokens] = torch.from_numpy(tokens + slot * self.max_tokens)
+                live[op.index] = on
+        self.control[: len(self.ops), :, :width].copy_(staging[: len(self.ops), :, :width], non_blocking=self._pin)
+        if self._pin:
+            self._staged_events[slot] = torch.cuda.Event()
+            self._staged_events[slot].record()
+        if live:
+            self.ring_positions[slot, :n_tokens].copy_(positions[:n_tokens], non_blocking=True)
+            self._pending.append(_Step(slot, n_tokens, list(req_ids), query_start, live))
+
+    def launch(self, x: torch.Tensor, site_id: int, impl) -> None:
+        """The site's resident ops over all of x's tokens: the same launches every step."""
+        ops = self.by_site.get(site_id)
+        if not ops:
+            return
+        T = x.shape[0]
+        if T > self.max_tokens:
+            raise RuntimeError(f"a step of {T} tokens; the control plane holds {self.max_tokens}")
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        for entry in ops:
+            entry.captured |= capturing
+            rows, op = self.control[entry.index, ROWS, :T], entry.op
+            if isinstance(op, AffineWrite):
+                zeros = self.zeros[:T]
+                impl.affine_write(x, rows, op.scale[None], zeros, op.bias[None], zeros, op.U, op.V)
+            elif isinstance(op, GeneratedWrite):
+                impl.run_program(x, rows, op.program, self.zeros[:T])
+            else:
+                dest = self.control[entry.index, DEST, :T]
+                if isinstance(op, GeneratedRead):
+                    impl.run_program(x, rows, op.program, self.zeros[:T], entry.ring, dest)
+                elif op.W is None:
+                    impl.gather_rows(x, rows, entry.ring, dest)
+                else:
+                    impl.project_read(x, rows, op.W, op.bias, entry.ring, dest)
+
+    # --- the messenger ----------------------------------------------------------------------------
+    def _queue_home(self) -> None:
+        """Queue the copy home of every prepared step's reads (the last one has finished computing
+        by the time anything runs after it on the stream), then file those that have arrived."""
+        for step in self._pending:
+            if step.host is None:
+                n, base = step.n_tokens, step.slot * self.max_tokens
+                step.host = {"positions": _home(self.ring_positions[step.slot, :n], self._pin)}
+                for index in step.live:
+                    step.host[index] = _home(self.ops[index].ring[base: base + n], self._pin)
+                if self._pin:
+                    step.event = torch.cuda.Event()
+                    step.event.record()
+        while self._pending and (self._pending[0].event is None or self._pending[0].event.query()):
+            self._file(self._pending.pop(0))
+
+    def drain(self) -> None:
+        """File every read of the steps run so far (the end of a batch of requests)."""
+        self._queue_home()
+        while self._pending:
+            step = self._pending.pop(0)
+            if step.event is not None:
+                step.event.synchronize()
+            self._file(step)
+
+    def _file(self, step: _Step) -> None:
+        positions = step.host["positions"]
+        for index, on in step.live.items():
+            key, values = (self.ops[index].app, self.ops[index].op.key), step.host[index]
+            for i, req_id in enumerate(step.req_ids):
+                lo, hi = int(step.query_start[i]), int(step.query_start[i + 1])
+                if on[lo:hi].any():
+                    chunk = (positions[lo:hi][torch.from_numpy(on[lo:hi])],
+                             values[lo:hi][torch.from_numpy(on[lo:hi])].clone())
+                    self.results.setdefault(req_id, {}).setdefault(key, []).append(chunk)
+
+
+def _home(t: torch.Tensor, pin: bool) -> torch.Tensor:
+    if not pin:
+        return t.clone()
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
+
+
+def _check_resident(app: str, op: LoweredOp) -> None:
+    """A resident op runs on every token of the requests that select it: it must be per token."""
+    if op.positions is not None:
+        raise ValueError(f"app {app!r}: a hook selects positions; an installed app's hooks run on every "
+                         "token (write act + v, not act[:, -1] += v; read per token, reduce on the host)")
+    if getattr(op, "store", None) is not None:
+        raise ValueError(f"app {app!r}: installed apps do not use stores yet; run it with run_with_hooks")
+    if isinstance(op, AffineWrite) and op.per_token_bias or isinstance(op, Read) and op.bias is not None \
+            and op.bias.dim() > 1 or isinstance(op, (GeneratedWrite, GeneratedRead)) \
+            and any(o.op == "table" for o in op.program.ops):
+        raise ValueError(f"app {app!r}: a hook uses per-token tables (patching from a cache); "
+                         "run it with run_with_hooks")
+
+
+def _tensors(op: LoweredOp) -> list[torch.Tensor]:
+    if isinstance(op, (GeneratedWrite, GeneratedRead)):
+        return list(op.program.consts)
+    return [t for t in (getattr(op, n, None) for n in ("scale", "bias", "U", "V", "W")) if t is not None]
+
+
+def _structure(op: LoweredOp) -> tuple:
+    program = getattr(op, "program", None)
+    ops = [(o.op, o.args, o.shape) for o in program.ops] if program else None
+    return type(op).__name__, ops, [tuple(t.shape) for t in _tensors(op)]

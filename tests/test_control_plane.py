@@ -1,0 +1,222 @@
+"""The graph-safe control plane (backend/vllm/control.py): installed apps as resident ops.
+
+References: the same hooks run per call (run_with_hooks, the host-planned path, itself checked
+against TransformerLens in compat_tests). Graph safety is checked as what CUDA-graph replay
+needs: every step launches the same kernels with the same tensors, whatever is selected,
+activated or re-parameterised, and nothing recompiles."""
+import json
+
+import pytest
+import torch
+from vllm.compilation.counter import compilation_counter
+
+from xmix_lens.models import tiny_llama
+
+from test_serving import eager_tiny_llama
+
+MODEL = "tiny-llama"
+PROMPTS = ["The cat sat on the mat and looked", "One two three", "A quick brown fox jumps", "Hello"]
+
+
+def vector(d, seed, scale=1.0):
+    return scale * torch.randn(d, generator=torch.Generator().manual_seed(seed))
+
+
+class Apps:
+    """Three apps, as hook lists: a steering write, a gated (generated-kernel) write, a probe read."""
+
+    def __init__(self, d, prefix=""):
+        self.v, self.u, self.gate_dir, self.w = vector(d, 1, 4.0), vector(d, 2, 3.0), vector(d, 3), vector(d, 4)
+        self.prefix = prefix
+        self.kept = {}
+
+    def steer(self):
+        return [("blocks.0.hook_resid_post", lambda act, hook: act + self.v)]
+
+    def gate(self):
+        return [("blocks.1.hook_resid_pre", lambda act, hook: act + torch.relu(act @ self.gate_dir)[..., None] * self.u)]
+
+    def probe(self, kept):
+        return [("blocks.1.hook_resid_post", lambda act, hook: kept.update(score=act @ self.w))]
+
+    def names(self):
+        return {f"{self.prefix}steer": self.steer(), f"{self.prefix}gate": self.gate()}
+
+
+@pytest.fixture(scope="module")
+def installed(served):
+    """The session's compiled tiny-Llama engine with the three apps installed (after the build:
+    the CPU engine has no CUDA graphs to capture them in)."""
+    model = served[MODEL]
+    apps = Apps(model.cfg.d_model, prefix="cp-")
+    for name, hooks in apps.names().items():
+        model._install_resident(name, hooks)
+    probe_kept = model._install_resident("cp-probe", apps.probe({}))
+    return model, apps, probe_kept
+
+
+def run_selected(model, prompts, row_apps):
+    """Logits of one pass whose rows select installed apps, and each row's app reads."""
+    job = model._forward_job(prompts, "logits")
+    ((p, _),) = model._run_passes([job.run + (row_apps,)])
+    return job.finish(p), p.app_results
+
+
+def test_each_row_equals_its_apps_run_as_hooks(installed):
+    model, apps, probe_kept = installed
+    selection = [{"cp-steer"}, {"cp-probe"}, set(), {"cp-steer", "cp-gate", "cp-probe"}]
+    logits, reads = run_selected(model, PROMPTS, selection)
+    tokens = model.to_tokens(PROMPTS)
+    lengths = [len(model.to_tokens(p)[0]) for p in PROMPTS]
+    (probe_key, _), = probe_kept
+    for row, chosen in enumerate(selection):
+        kept = {}
+        hooks = (apps.steer() if "cp-steer" in chosen else []) + (apps.gate() if "cp-gate" in chosen else []) \
+            + (apps.probe(kept) if "cp-probe" in chosen else [])
+        alone = model.run_with_hooks(tokens[row: row + 1, : lengths[row]], fwd_hooks=hooks)
+        n = lengths[row]
+        assert (logits[row, :n] - alone[0, :n]).abs().max() < 1e-4, f"row {row} ({sorted(chosen)})"
+        if "cp-probe" in chosen:
+            positions, values = reads[row][("cp-probe", probe_key)]
+            assert positions.tolist() == list(range(n))  # every prompt position, once
+            assert (values[:, 0] - kept["score"][0, :n].float()).abs().max() < 1e-4
+        else:
+            assert reads[row] == {}
+    unhooked = model(tokens)
+    for row in (0, 3):  # the apps do move the logits, far beyond the tolerance
+        assert (logits[row, : lengths[row]] - unhooked[row, : lengths[row]]).abs().max() > 1e-1
+
+
+def recorded_launches(control, monkeypatch):
+    """Record the control plane's launches at every site as (kernel, addresses of its tensors but x,
+    the site's activation, whose address a CUDA graph fixes itself)."""
+    launches = []
+
+    def recording(name, fn):
+        def launch(x, *args):
+            launches.append((name, tuple(a.data_ptr() for a in args if isinstance(a, torch.Tensor))))
+            return fn(x, *args)
+        return launch
+
+    launch = control.launch
+
+    def launch_recorded(x, site_id, impl):
+        return launch(x, site_id, type(impl)(**{n: recording(n, f) for n, f in vars(impl).items()}))
+
+    monkeypatch.setattr(control, "launch", launch_recorded)
+    return launches
+
+
+def test_toggles_are_buffer_writes(installed, monkeypatch):
+    """Selecting, deactivating and re-parameterising apps change results but never what is launched:
+    a CUDA graph captured once replays correctly through all of them, and nothing recompiles."""
+    model, apps, _ = installed
+    counters = (compilation_counter.num_graphs_seen, compilation_counter.num_backend_compilations,
+                compilation_counter.num_inductor_compiles)
+    control = model.runtime.control
+    launches = recorded_launches(control, monkeypatch)
+    resident = [o for o in control.ops if o.app.startswith("cp-")]
+    addresses = [tuple(t.data_ptr() for t in vars(o.op).values() if isinstance(t, torch.Tensor)) for o in resident]
+
+    def launched():
+        seen = {(name, ptrs) for name, ptrs in launches}
+        launches.clear()
+        return seen
+
+    steered, _ = run_selected(model, PROMPTS[:1], [{"cp-steer"}])
+    first = launched()
+    plain, _ = run_selected(model, PROMPTS[:1], [set()])
+    assert launched() == first
+    model.runtime.control.set_active("cp-steer", False)
+    try:
+        off, _ = run_selected(model, PROMPTS[:1], [{"cp-steer"}])
+    finally:
+        model.runtime.control.set_active("cp-steer", True)
+    assert launched() == first
+    version = model.runtime.set_app_params("cp-steer", model._lower_app("cp-steer", [
+        ("blocks.0.hook_resid_post", lambda act, hook: act - apps.v)])[0])
+    try:
+        reversed_, _ = run_selected(model, PROMPTS[:1], [{"cp-steer"}])
+        assert launched() == first
+    finally:
+        model.runtime.set_app_params("cp-steer", model._lower_app("cp-steer", apps.steer())[0])
+    assert version >= 1
+    assert [tuple(t.data_ptr() for t in vars(o.op).values() if isinstance(t, torch.Tensor)) for o in resident] \
+        == addresses
+    assert (compilation_counter.num_graphs_seen, compilation_counter.num_backend_compilations,
+            compilation_counter.num_inductor_compiles) == counters
+
+    minus = model.run_with_hooks(PROMPTS[:1], fwd_hooks=[("blocks.0.hook_resid_post", lambda act, hook: act - apps.v)])
+    assert (plain - off).abs().max() < 1e-5  # deactivated: as if not selected
+    assert (steered - plain).abs().max() > 1e-1
+    assert (reversed_ - minus).abs().max() < 1e-4  # the new parameters took effect
+
+
+def test_new_parameters_of_another_structure_are_refused(installed):
+    model, apps, _ = installed
+    gated = model._lower_app("cp-steer", apps.gate())[0]
+    with pytest.raises(ValueError, match="install it as a new app"):
+        model.runtime.set_app_params("cp-steer", gated)
+    assert torch.isfinite(run_selected(model, PROMPTS[:1], [{"cp-steer"}])[0]).all()  # still serving
+
+
+def test_bad_installs_are_clear_errors(installed):
+    model, apps, _ = installed
+    with pytest.raises(ValueError, match="installed already"):
+        model._install_resident("cp-steer", apps.steer())
+    def zero_last(act, hook):
+        act[:, -1] = 0
+
+    with pytest.raises(ValueError, match="selects positions"):
+        model._install_resident("cp-last", [("blocks.0.hook_resid_post", zero_last)])
+    with pytest.raises(KeyError, match="no app named"):
+        run_selected(model, PROMPTS[:1], [{"cp-missing"}])
+    logits, _ = run_selected(model, PROMPTS[:1], [{"cp-steer"}])  # the engine keeps serving
+    assert torch.isfinite(logits).all()
+
+
+@pytest.fixture(scope="module")
+def small_steps():
+    """An eager engine whose steps hold at most 16 tokens (chunked prefill) and whose KV cache holds
+    about one long request (preemption), with a probe app installed as the engine is built."""
+    from types import SimpleNamespace
+
+    d_model = json.loads((tiny_llama() / "config.json").read_text())["hidden_size"]
+    w, kept = vector(d_model, 4), {}
+    app = SimpleNamespace(name="probe", fwd_hooks=[("blocks.1.hook_resid_post", lambda act, hook: kept.update(s=act @ w))])
+    return eager_tiny_llama(max_model_len=256, max_num_batched_tokens=16, num_gpu_blocks_override=4, apps=[app]), w
+
+
+def test_messenger_under_chunked_prefill_and_preemption(served, small_steps):
+    """Every position of every request is filed exactly once, recomputed ones included, with the
+    value the position has when the whole sequence is computed at once."""
+    model, w = small_steps
+    reference = served[MODEL]
+    prompts = [" ".join(["The cat sat on the mat"] * 6), " ".join(["One two three four"] * 7),
+               " ".join(["The cat sat on the mat"] * 6) + " yes", "Short"]
+    rows = [model.to_tokens(p)[0].tolist() for p in prompts]
+    job = (rows, [0] * len(rows), model._trace_hooks(len(rows), max(map(len, rows))), None, 120,
+           {"temperature": 0.0, "ignore_eos": True}, [{"probe"}] * len(rows))
+    positions_seen = []
+    prepare = model.runtime.control.prepare_step
+
+    def counting(req_ids, query_start, n_tokens, positions, n_padded=None):
+        positions_seen.extend(positions[:n_tokens].tolist())
+        prepare(req_ids, query_start, n_tokens, positions, n_padded)
+
+    model.runtime.control.prepare_step = counting
+    try:
+        ((p, generated),) = model._run_passes([job])
+    finally:
+        del model.runtime.control.prepare_step
+    assert max(len(r) for r in rows) > 16  # prompts were prefilled in chunks
+    key = next(iter(p.app_results[0]))
+    for row, tokens in enumerate(rows):
+        sequence = tokens + list(generated[row])
+        positions, values = p.app_results[row][key]
+        assert positions.tolist() == list(range(len(sequence) - 1))  # the last token is never run
+        _, cache = reference.run_with_cache(torch.tensor([sequence[:-1]]), names_filter="blocks.1.hook_resid_post")
+        expected = cache["blocks.1.hook_resid_post"][0] @ w
+        assert (values[:, 0] - expected).abs().max() < 1e-3
+    assert len(positions_seen) > sum(len(r) for r in rows) + sum(map(len, generated)) - len(rows), \
+        "no position was computed twice: the engine did not preempt"

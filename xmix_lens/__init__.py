@@ -10,6 +10,7 @@ import os
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
+from .app import App, AppRun  # noqa: E402
 from .cache import ActivationCache  # noqa: E402
 from .functional import topk_mask  # noqa: E402
 from .hook_points import HookPoint  # noqa: E402
@@ -17,5 +18,5 @@ from .model import HookedServedConfig, HookedServedModel, HookedTransformer  # n
 from .stores import store  # noqa: E402
 from .trace import TraceError  # noqa: E402
 
-__all__ = ["ActivationCache", "HookPoint", "HookedServedConfig", "HookedServedModel", "HookedTransformer", "TraceError",
-           "store", "topk_mask"]
+__all__ = ["ActivationCache", "App", "AppRun", "HookPoint", "HookedServedConfig", "HookedServedModel", "HookedTransformer",
+           "TraceError", "store", "topk_mask"]

@@ -67,11 +67,13 @@ class HookedServedModel:
     """A vLLM-served model with TransformerLens hooks. Build it with `from_pretrained`."""
 
     def __init__(self, llm, model_dir, cfg: HookedServedConfig, tokenizer, runtime,
-                 unembed: tuple[torch.Tensor, torch.Tensor]):
+                 unembed: tuple[torch.Tensor, torch.Tensor] | None):
+        # from_pretrained makes the model before its engine (llm, runtime, unembed None): installed
+        # apps are traced before the engine is built
         self.llm, self.model_dir, self.cfg, self.tokenizer = llm, model_dir, cfg, tokenizer
         self.runtime = runtime
         # ln_final.hook_normalized -> logits, final norm weight folded in; fp32 on the host
-        self.W_U, self.b_U = unembed
+        self.W_U, self.b_U = unembed or (None, None)
         self.hook_dict: dict[str, HookPoint] = hook_points.make_hook_dict(cfg.family, cfg.n_layers)
         self.mod_dict = self.hook_dict
         # per hook point, the per-token feature shape of its act ((d_model,), (n_heads, d_head), ...)
@@ -82,11 +84,13 @@ class HookedServedModel:
     @classmethod
     def from_pretrained(cls, name_or_path: str, dtype: str | torch.dtype = "float32", device: str | None = None,
                         enforce_eager: bool = False, max_model_len: int | None = None,
-                        armed: str | Sequence[str] = "all", **engine_kwargs) -> "HookedServedModel":
+                        armed: str | Sequence[str] = "all", apps: Sequence = (), **engine_kwargs) -> "HookedServedModel":
         """Build an in-process vLLM engine for a local HF folder or an embedded model's name.
 
         `armed` is the set of hook points compiled into the engine ("all": a research engine,
-        every hook point ready without a rebuild). torch.compile stays on unless enforce_eager.
+        every hook point ready without a rebuild). torch.compile stays on unless enforce_eager, and
+        so do CUDA graphs on a GPU. `apps` (objects with `name` and `fwd_hooks`) are installed as
+        the engine is built, so that its CUDA graphs contain them (see backend/vllm/control.py).
         """
         from transformers import AutoConfig, AutoTokenizer
 
@@ -109,23 +113,27 @@ class HookedServedModel:
 
         from vllm import LLM
 
-        from .backend.vllm import adapter
+        from .backend.vllm import adapter, runtime
         from .backend.vllm.sites import unembedding
 
         armed_names = armed if armed == "all" else [hook_points.canonical_name(n) for n in armed]
-        if torch.cuda.is_available() and not enforce_eager:
-            # The site runtime prepares each step on the host; CUDA-graph replay would skip that and
-            # silently drop hooks. Until the graph-safe control plane lands, keep torch.compile and
-            # run without CUDA graphs.
-            engine_kwargs.setdefault("compilation_config", {"cudagraph_mode": "NONE"})
-        llm = LLM(model=str(model_dir), dtype=str(torch_dtype).removeprefix("torch."), enforce_eager=enforce_eager,
-                  max_model_len=max_model_len or min(cfg.n_ctx, 2048), skip_tokenizer_init=True,
-                  additional_config={"xmix_lens": {"armed": armed_names}}, **engine_kwargs)
-        runner = adapter.model_runner(llm)
-        runner.model.xmix_runtime.model_runner = runner
-        runner.model.xmix_runtime.device = next(runner.model.parameters()).device
-        return cls(llm, model_dir, cfg, tokenizer, runner.model.xmix_runtime,
-                   unembedding(runner.model, family, cfg.d_vocab))
+        model = cls(None, model_dir, cfg, tokenizer, None, None)
+        xmix_config = {"armed": armed_names}
+        if apps:
+            # lowered now and installed while the engine builds its model: before CUDA-graph
+            # capture, so that the graphs contain the apps' launches
+            xmix_config["apps_key"] = key = uuid.uuid4().hex
+            runtime.PENDING_APPS[key] = [(app.name, model._lower_app(app.name, app.fwd_hooks)[0]) for app in apps]
+        try:
+            llm = LLM(model=str(model_dir), dtype=str(torch_dtype).removeprefix("torch."), enforce_eager=enforce_eager,
+                      max_model_len=max_model_len or min(cfg.n_ctx, 2048), skip_tokenizer_init=True,
+                      additional_config={"xmix_lens": xmix_config}, **engine_kwargs)
+        finally:
+            runtime.PENDING_APPS.pop(xmix_config.get("apps_key"), None)
+        runner, model.runtime = adapter.bind(llm)
+        model.llm = llm
+        model.W_U, model.b_U = unembedding(runner.model, family, cfg.d_vocab)
+        return model
 
     # --- tokens (TransformerLens's rules) -------------------------------------------------------
     def _tokenize(self, input: str | list[str], prepend_bos: bool | None, padding_side: str | None):
@@ -394,13 +402,30 @@ class HookedServedModel:
                     tracers.append(tracer)
         finally:
             stores.begin(None)
-        session.allocate(self.runtime.device)
+        session.allocate(self.runtime.device if self.runtime is not None else torch.device("cpu"))
         ops = {t.graph.hook_name: site_ops for t in tracers if (site_ops := lower(t.graph))}
         return TracedHooks(P, ops, kept, [t.graph for t in tracers], session.per_request())
 
+    def _lower_app(self, name: str, fwd_hooks: Iterable[HookSpec]) -> tuple[dict, list]:
+        """An installed app's hooks, traced for one token ([1, 1, ...]: they run on every token of
+        the requests that select them) and lowered: (ops per hook point, kept (read key, proxy))."""
+        with self.hooks(fwd_hooks):
+            traced = self._trace_hooks(1, 1)
+        if traced.per_request_stores:
+            raise ValueError(f"app {name!r}: installed apps do not use stores yet; run its hooks with run_with_hooks")
+        return traced.ops, traced.kept
+
+    def _install_resident(self, name: str, fwd_hooks: Iterable[HookSpec]) -> list:
+        """Install an app's lowered ops in the engine (graph-safe; see backend/vllm/control.py).
+        Returns its kept (read key, proxy) pairs, to name the values it reads."""
+        ops, kept = self._lower_app(name, fwd_hooks)
+        self.runtime.install_app(name, ops)
+        return kept
+
     def _run_passes(self, jobs: list[tuple]) -> list[tuple]:
         """Run passes together: each job is (rows, prompt offsets, prompt hooks, generated-token hooks
-        or None, max_new_tokens, sampling). Returns (pass, each row's new tokens) per job.
+        or None, max_new_tokens, sampling[, installed apps per row]). Returns (pass, each row's new
+        tokens) per job; with apps, `pass.app_results[row]` holds what they read for that row.
 
         The kept proxies of the hook functions become the values read (for generated tokens: the
         last one's)."""
@@ -408,10 +433,14 @@ class HookedServedModel:
         from vllm.inputs import TokensPrompt
 
         engine = self.llm.llm_engine
+        for job in jobs:  # unknown apps fail before anything is sent to the engine
+            for names in (job[6] if len(job) > 6 else ()):
+                self.runtime.control.check_installed(names)
         opened, outputs = [], {}
         self.last_run_stats = {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0}
         try:
-            for rows, offsets, prompt, step, max_new_tokens, sampling in jobs:
+            for rows, offsets, prompt, step, max_new_tokens, sampling, *selection in jobs:
+                row_apps = selection[0] if selection else [()] * len(rows)
                 p = self.runtime.open_pass([len(r) for r in rows], offsets, (prompt.padded_len, prompt.ops),
                                            (step.padded_len, step.ops) if step is not None else None)
                 params = SamplingParams(max_tokens=max_new_tokens, detokenize=False, **{"temperature": 0.0, **sampling})
@@ -419,10 +448,13 @@ class HookedServedModel:
                 names = [f"xmix-{p.pass_id}-{row}" for row in range(len(rows))]
                 opened.append((p, names, prompt, step))
                 for row, toks in enumerate(rows):
+                    row_salt = _app_salt(self.runtime.control, row_apps[row], salt)
                     # vLLM makes the id unique (a suffix); the model runner sees that one
-                    internal = engine.add_request(names[row], TokensPrompt(prompt_token_ids=toks, cache_salt=salt),
+                    internal = engine.add_request(names[row], TokensPrompt(prompt_token_ids=toks, cache_salt=row_salt),
                                                   params)
                     p.rows[internal] = row
+                    if row_apps[row]:
+                        self.runtime.control.select(internal, row_apps[row])
             while engine.has_unfinished_requests():
                 for out in engine.step():
                     if out.finished:
@@ -431,7 +463,12 @@ class HookedServedModel:
                         self.last_run_stats["prompt_tokens"] += len(out.prompt_token_ids or ())
                         self.last_run_stats["cached_tokens"] += out.num_cached_tokens or 0
         finally:
+            control = self.runtime.control
+            control.drain()
             for p, names, _, _ in opened:
+                p.app_results = [control.take_results(internal) for internal in sorted(p.rows, key=p.rows.get)]
+                for internal in p.rows:
+                    control.forget(internal)
                 self.runtime.close_pass(p)
             if len(outputs) < sum(len(names) for _, names, _, _ in opened):  # stopped by an error
                 for _, names, _, _ in opened:
@@ -442,6 +479,45 @@ class HookedServedModel:
                 torch.utils.swap_tensors(proxy, p.result(key).to(self.cfg.dtype))
             results.append((p, [outputs[name] for name in names]))
         return results
+
+    # --- apps (xmix_lens/app.py) ---
+    def install(self, app):
+        """Install an xmix_lens.App (checked and traced now); see xmix_lens/app.py."""
+        from . import app as apps
+        return apps.install(self, app)
+
+    def uninstall(self, name: str):
+        from . import app as apps
+        return apps.uninstall(self, name)
+
+    def activate(self, names, requests=None) -> None:
+        """Run these apps in calls without `apps=`: for every request, or the rows in `requests`."""
+        from . import app as apps
+        apps.activate(self, names, requests)
+
+    def deactivate(self, names=None, requests=None) -> None:
+        from . import app as apps
+        apps.deactivate(self, names, requests)
+
+    def set_params(self, name: str, **values) -> int:
+        """Update an installed app's parameter tensors in place; returns its new version."""
+        from . import app as apps
+        return apps.set_params(self, name, **values)
+
+    @property
+    def apps(self) -> dict:
+        """The installed apps by name, in install order."""
+        from . import app as apps
+        return dict(apps.registry(self).apps)
+
+    # `apps=` on forward (so __call__, run_with_hooks, run_with_cache), run_batch and generate
+    from .app import with_apps_forward as _with_apps_forward
+    from .app import with_apps_generate as _with_apps_generate
+    from .app import with_apps_run_batch as _with_apps_run_batch
+    forward = _with_apps_forward(forward)
+    run_batch = _with_apps_run_batch(run_batch)
+    generate = _with_apps_generate(generate)
+    del _with_apps_forward, _with_apps_generate, _with_apps_run_batch
 
 
 @dataclass
@@ -484,6 +560,18 @@ def _cache_salt(prompt: "TracedHooks", step: "TracedHooks | None") -> str | None
             for op in t.ops[site]:
                 digest.update(op_digest(op))
     return digest.hexdigest()
+
+
+def _app_salt(control, names, salt: str | None) -> str | None:
+    """A request's prefix-cache salt with its installed apps: KV computed under an app's writes (at
+    one version of its parameters) serves only requests with the same apps and versions; an app
+    that reads needs every position computed, so nothing is reused."""
+    if not names:
+        return salt
+    apps = [control.apps[n] for n in sorted(names)]
+    if any(op.ring is not None for app in apps for op in app.ops):
+        return uuid.uuid4().hex
+    return hashlib.sha256(repr((salt, [(a.name, a.version) for a in apps])).encode()).hexdigest()
 
 
 def _next_token_loss(logits: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor, per_token: bool):

@@ -4,16 +4,20 @@ import dataclasses
 from vllm.forward_context import get_forward_context, is_forward_context_available
 
 
-def bind(llm):
-    """The in-process model runner of an `LLM` (needs VLLM_ENABLE_V1_MULTIPROCESSING=0), with the
-    model's site runtime attached to it."""
+def in_process_runner(llm):
+    """The model runner of an `LLM` built in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
     try:
         core = llm.llm_engine.engine_core.engine_core
     except AttributeError as e:
         raise RuntimeError(
             "xmix-lens needs vLLM's in-process engine: set VLLM_ENABLE_V1_MULTIPROCESSING=0 "
             "before vLLM is imported (importing xmix_lens first sets it)") from e
-    runner = core.model_executor.driver_worker.worker.model_runner
+    return core.model_executor.driver_worker.worker.model_runner
+
+
+def bind(llm):
+    """The in-process model runner of an `LLM`, with the model's site runtime attached to it."""
+    runner = in_process_runner(llm)
     runtime = runner.model.xmix_runtime
     runtime.model_runner = runner
     if not hasattr(runner, "input_batch") and not hasattr(runner, "xmix_input_batch"):

@@ -93,6 +93,9 @@ class ControlPlane:
         self.ring_positions = torch.zeros(RING_DEPTH, self.max_tokens, dtype=torch.long, device=self.device)
         self._pending: list[_Step] = []  # prepared steps whose reads are not filed yet
         self._pin = pin
+        self._bit: dict[str, int] = {}  # app name -> its bit in the per-request masks
+        self._bits_of: dict[frozenset, int] = {}
+        self._idle = True  # the device rows are all -1
 
     # --- installing and choosing (between steps) --------------------------------------------------
     def install(self, name: str, ops_by_site: dict[int, list[LoweredOp]]) -> ResidentApp:
@@ -116,6 +119,7 @@ class ControlPlane:
                 self.by_site.setdefault(site, []).append(entry)
                 resident.append(entry)
         app = self.apps[name] = ResidentApp(name, resident)
+        self._bit[name] = len(self._bit)
         return app
 
     def set_params(self, name: str, ops_by_site: dict[int, list[LoweredOp]]) -> int:
@@ -180,38 +184,47 @@ class ControlPlane:
         if not self.ops:
             return
         self._queue_home()
+        query_start = np.asarray(query_start[: len(req_ids) + 1])
+        # each request's active apps as a bit mask (bit i: the i-th installed app)
+        request_bits = np.fromiter((self._bits(self.selected.get(r, self.defaults)) for r in req_ids),
+                                   dtype=np.int64, count=len(req_ids))
+        if not request_bits.any() and self._idle:
+            return  # the device rows are all -1 already (up to max_tokens): nothing to write
         slot = self.step_count % RING_DEPTH
         self.step_count += 1
-        query_start = np.asarray(query_start[: len(req_ids) + 1])
         staging = self._staging[slot]
         if self._staged_events[slot] is not None:
             self._staged_events[slot].synchronize()  # its copy from two steps ago is long done
-        width = max(n_padded or n_tokens, n_tokens)
+        # a step with no app resets every row (idle steps after it skip the copy); others the step's
+        width = max(n_padded or n_tokens, n_tokens) if request_bits.any() else self.max_tokens
         staging[: len(self.ops), :, :width] = -1
         tokens = np.arange(n_tokens, dtype=np.int32)
-        counts = np.diff(query_start)
-        token_request = np.repeat(np.arange(len(req_ids)), counts)
+        token_bits = np.repeat(request_bits, np.diff(query_start))
         live: dict[int, np.ndarray] = {}
         for op in self.ops:
-            app = self.apps[op.app]
-            if not app.active:
+            on = (token_bits >> self._bit[op.app]) & 1 == 1
+            if not on.any():
                 continue
-            wants = np.array([op.app in self.selected.get(r, self.defaults) for r in req_ids], dtype=bool)
-            if not wants.any():
-                continue
-            on = wants[token_request]
-            rows = np.where(on, tokens, -1)
-            staging[op.index, ROWS, :n_tokens] = torch.from_numpy(rows)
+            staging[op.index, ROWS, :n_tokens] = torch.from_numpy(np.where(on, tokens, -1))
             if op.ring is not None:
                 staging[op.index, DEST, :n_tokens] = torch.from_numpy(tokens + slot * self.max_tokens)
                 live[op.index] = on
+        # launches read rows [:T], T (x's tokens, padding included) <= width: the rest may be stale
         self.control[: len(self.ops), :, :width].copy_(staging[: len(self.ops), :, :width], non_blocking=self._pin)
+        self._idle = not request_bits.any()
         if self._pin:
             self._staged_events[slot] = torch.cuda.Event()
             self._staged_events[slot].record()
         if live:
             self.ring_positions[slot, :n_tokens].copy_(positions[:n_tokens], non_blocking=True)
             self._pending.append(_Step(slot, n_tokens, list(req_ids), query_start, live))
+
+    def _bits(self, names: frozenset) -> int:
+        bits = self._bits_of.get(names)
+        if bits is None:
+            bits = self._bits_of[names] = sum(1 << self._bit[n] for n in names)
+        active = sum(1 << self._bit[a.name] for a in self.apps.values() if a.active)
+        return bits & active
 
     def launch(self, x: torch.Tensor, site_id: int, impl) -> None:
         """The site's resident ops over all of x's tokens: the same launches every step."""

@@ -1,0 +1,273 @@
+"""Serving overhead against native vLLM: ITL, TTFT and throughput as ratios, modes alternated.
+
+    python -m bench.serving --model PATH --dummy --workloads decode --repeats 3 --out results.json
+    python -m bench.serving --model PATH --toy --eager-engines        # CPU: a small run CI makes
+
+Engines (all in-process, as the facade runs vLLM; one of each, built once):
+  native       vLLM's LLM, CUDA graphs on
+  production   xmix-lens with seven apps installed as it is built (their sites armed, nothing else);
+               its modes choose what every request runs: installed_idle (none), steer (one
+               steering write), seven (all seven: writes, a conditional write, reads delivered)
+  research     xmix-lens with every hook point armed, nothing active (armed_idle)
+  eager        vLLM with enforce_eager and a torch forward hook adding the steering vector
+               (the approach of the peers that force eager mode) (eager_hook)
+Each repeat draws fresh random prompt ids, the same for every mode, and runs the modes in turn
+(A B C ... A B C ...), after one warm-up run of each. Per run: mean and P99 inter-token latency,
+mean time to first token, total token throughput (prompt + output tokens / wall time).
+"""
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from types import SimpleNamespace
+
+import torch
+
+import xmix_lens  # noqa: F401  (sets vLLM's environment before vLLM is imported)
+
+WORKLOADS = {"decode": (32, 128, 256), "gpu": (256, 128, 128), "throughput": (512, 256, 128)}
+TOY_WORKLOADS = {"decode": (3, 12, 6)}
+MODES = ["native", "installed_idle", "armed_idle", "steer", "seven", "eager_hook"]
+
+
+def seven_apps(cfg) -> tuple[list, torch.Tensor]:
+    """Seven apps over the model's layers: five writes (one conditional), two reads; and the
+    steering vector of the first (the eager engine's forward hook adds the same)."""
+    g = torch.Generator().manual_seed(0)
+    L, d = cfg.n_layers, cfg.d_model
+    v = torch.randn(d, generator=g) * 0.05
+    u = torch.randn(d, generator=g)
+    u /= u.norm()
+    probe = torch.randn(d, 2, generator=g)
+    encoder, bias = torch.randn(d, 64, generator=g) / d**0.5, torch.zeros(64)
+
+    def at(fraction):  # a layer a fraction of the way through the model
+        return min(L - 1, int(fraction * L))
+
+    kept = {}  # what the read apps keep (values reach the host through the messenger)
+
+    def ablate_head(act, hook):
+        act[:, :, 0] = 0.0
+
+    apps = {
+        "steer": [(f"blocks.{at(0.5)}.hook_resid_post", lambda act, hook: act + v)],
+        "ablate_direction": [(f"blocks.{at(0.6)}.hook_resid_pre", lambda act, hook: act - (act @ u)[..., None] * u)],
+        "conditional_steer": [(f"blocks.{at(0.25)}.hook_resid_post",
+                               lambda act, hook: act + torch.relu(act @ u)[..., None] * v)],
+        "head_ablation": [(f"blocks.{at(0.3)}.attn.hook_z", ablate_head)],
+        "mlp_scale": [(f"blocks.{at(0.5)}.mlp.hook_post", lambda act, hook: act * 1.05)],
+        "probe_read": [(f"blocks.{at(0.9)}.hook_resid_post", lambda act, hook: kept.update(score=act @ probe))],
+        "sae_features": [(f"blocks.{at(0.5)}.hook_resid_post",
+                          lambda act, hook: kept.update(features=torch.relu(act @ encoder + bias)))],
+    }
+    return [SimpleNamespace(name=n, fwd_hooks=h) for n, h in apps.items()], v
+
+
+def engine_kwargs(args) -> dict:
+    kwargs = {"max_model_len": args.max_model_len, "gpu_memory_utilization": args.gpu_memory_utilization}
+    if args.dummy:
+        kwargs["load_format"] = "dummy"
+    if args.eager_engines:
+        kwargs["enforce_eager"] = True
+    return kwargs
+
+
+def build_engines(args):
+    from vllm import LLM
+
+    from xmix_lens import HookedServedModel
+
+    common = engine_kwargs(args)
+    built, seconds = {}, {}
+
+    def timed(name, make):
+        start = time.time()
+        built[name] = make()
+        seconds[name] = time.time() - start
+
+    timed("native", lambda: LLM(model=args.model, dtype=args.dtype, skip_tokenizer_init=True, **common))
+    cfg = _cfg(args)
+    apps, steering_vector = seven_apps(cfg)
+    armed = sorted({name for app in apps for name, _ in app.fwd_hooks})
+    timed("production", lambda: HookedServedModel.from_pretrained(args.model, dtype=args.dtype, armed=armed, apps=apps,
+                                                                   **common))
+    timed("research", lambda: HookedServedModel.from_pretrained(args.model, dtype=args.dtype, **common))
+    timed("eager", lambda: LLM(model=args.model, dtype=args.dtype, skip_tokenizer_init=True,
+                               **{**common, "enforce_eager": True}))
+    _add_eager_steering_hook(built["eager"], int(apps[0].fwd_hooks[0][0].split(".")[1]), steering_vector)
+    return built, [a.name for a in apps], seconds
+
+
+def _cfg(args):
+    from transformers import AutoConfig
+
+    hf = AutoConfig.from_pretrained(args.model)
+    return SimpleNamespace(n_layers=hf.num_hidden_layers, d_model=hf.hidden_size)
+
+
+def _add_eager_steering_hook(llm, layer: int, v: torch.Tensor) -> None:
+    """A torch forward hook on a decoder layer of vLLM's model, adding v to its output."""
+    from xmix_lens.backend.vllm.adapter import in_process_runner
+
+    model = in_process_runner(llm).model
+    params = next(model.parameters())
+    v = v.to(params.device, params.dtype)
+
+    def add(module, inputs, output):
+        hidden, residual = output  # vLLM's Llama layer: the residual stream is hidden + residual
+        return hidden + v, residual
+
+    model.model.layers[layer].register_forward_hook(add)
+
+
+def run_once(llm, prompts, out_len) -> dict:
+    """Submit every request at once and step the engine; time each request's tokens."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    engine = llm.llm_engine
+    params = SamplingParams(max_tokens=out_len, ignore_eos=True, temperature=0.0, detokenize=False)
+    start = time.perf_counter()
+    ids = []
+    for i, p in enumerate(prompts):
+        ids.append(engine.add_request(f"bench-{time.monotonic_ns()}-{i}", TokensPrompt(prompt_token_ids=p), params))
+    seen, times, tokens = {}, {}, {}
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        now = time.perf_counter()
+        for out in outputs:
+            n = len(out.outputs[0].token_ids)
+            if n > seen.get(out.request_id, 0):
+                times.setdefault(out.request_id, []).append((now, n - seen.get(out.request_id, 0)))
+                seen[out.request_id] = n
+                tokens[out.request_id] = list(out.outputs[0].token_ids)
+    wall = time.perf_counter() - start
+    ttft = [t[0][0] - start for t in times.values()]
+    gaps = []
+    for t in times.values():
+        for (a, _), (b, n) in zip(t, t[1:]):
+            gaps += [(b - a) / n] * n
+    gaps.sort()
+    total = sum(len(p) for p in prompts) + sum(seen.values())
+    return {"mean_itl_ms": 1e3 * statistics.fmean(gaps), "p99_itl_ms": 1e3 * gaps[int(0.99 * (len(gaps) - 1))],
+            "mean_ttft_ms": 1e3 * statistics.fmean(ttft), "throughput_tok_s": total / wall, "wall_s": wall,
+            "tokens": [tokens[k] for k in sorted(tokens)]}
+
+
+def set_mode(engines, app_names, mode):
+    """The engine a mode runs on, with the production engine's active apps chosen for it."""
+    production = engines["production"]
+    control = production.runtime.control
+    control.set_defaults({"installed_idle": (), "steer": ("steer",), "seven": app_names}.get(mode, ()))
+    return {"native": engines["native"], "armed_idle": engines["research"].llm,
+            "eager_hook": engines["eager"]}.get(mode, production.llm)
+
+
+def summarise(runs: dict) -> dict:
+    metrics = ["mean_itl_ms", "p99_itl_ms", "mean_ttft_ms", "throughput_tok_s"]
+    summary = {}
+    native = {m: [r[m] for r in runs["native"]] for m in metrics}
+    for mode, repeats in runs.items():
+        row = {}
+        for m in metrics:
+            values = [r[m] for r in repeats]
+            med, base = statistics.median(values), statistics.median(native[m])
+            ratio = med / base
+            # the noise: the relative spread (max - min) / median of either mode's repeats
+            noise = max((max(v) - min(v)) / statistics.median(v) for v in (values, native[m]))
+            row[m] = {"median": med, "min": min(values), "max": max(values), "ratio_to_native": ratio,
+                      "noise": noise, "within_noise": abs(ratio - 1) <= noise}
+        summary[mode] = row
+    return summary
+
+
+def kernel_names(llm, prompts) -> list[str]:
+    """The CUDA kernels of a profiled, graph-replayed decode step (the seven apps active)."""
+    from torch.profiler import ProfilerActivity, profile
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    engine = llm.llm_engine
+    params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0, detokenize=False)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"profile-{i}", TokensPrompt(prompt_token_ids=p), params)
+    engine.step()  # the prefill
+    engine.step()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        engine.step()  # a decode step: a FULL graph replay
+        torch.cuda.synchronize()
+    while engine.has_unfinished_requests():
+        engine.step()
+    return sorted({e.name for e in prof.events() if e.device_type.name == "CUDA"})
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--dummy", action="store_true", help="load_format=dummy (random weights)")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--workloads", default="decode")
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--toy", action="store_true", help="tiny workloads (the CPU run in CI)")
+    parser.add_argument("--eager-engines", action="store_true", help="every engine enforce_eager (CPU speed)")
+    parser.add_argument("--max-model-len", type=int, default=512)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.2)
+    parser.add_argument("--profile", action="store_true", help="record the kernels of a graph-replayed decode step")
+    parser.add_argument("--out")
+    args = parser.parse_args(argv)
+    modes = args.modes.split(",")
+    engines, app_names, build_seconds = build_engines(args)
+    vocab = engines["native"].llm_engine.model_config.get_vocab_size()
+    table = TOY_WORKLOADS if args.toy else WORKLOADS
+    result = {"command": "python -m bench.serving " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(),
+                          "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None},
+              "versions": {"torch": torch.__version__, "vllm": __import__("vllm").__version__},
+              "engine_build_s": build_seconds, "apps": app_names, "workloads": {}}
+    gen = torch.Generator().manual_seed(1234)
+    for workload in args.workloads.split(","):
+        n, in_len, out_len = table[workload]
+
+        def prompts():
+            return torch.randint(100, vocab - 100, (n, in_len), generator=gen).tolist()
+
+        warm = prompts()
+        for mode in modes:
+            run_once(set_mode(engines, app_names, mode), warm, out_len)
+        runs = {mode: [] for mode in modes}
+        for _ in range(args.repeats):
+            batch = prompts()
+            for mode in modes:
+                runs[mode].append(run_once(set_mode(engines, app_names, mode), batch, out_len))
+        same_tokens = {mode: [r["tokens"] == n_r["tokens"] for r, n_r in zip(runs[mode], runs["native"])]
+                       for mode in modes}
+        if "steer" in modes and "eager_hook" in modes:  # the same steering, two ways
+            same_tokens["steer_vs_eager_hook"] = [a["tokens"] == b["tokens"]
+                                                  for a, b in zip(runs["steer"], runs["eager_hook"])]
+        for mode in modes:
+            for r in runs[mode]:
+                r.pop("tokens")
+        result["workloads"][workload] = {"requests": n, "prompt_len": in_len, "output_len": out_len,
+                                         "runs": runs, "summary": summarise(runs),
+                                         "tokens_equal_native": same_tokens}
+        set_mode(engines, app_names, "installed_idle")
+        for req_id in list(engines["production"].runtime.control.results):
+            engines["production"].runtime.control.results.pop(req_id)
+    if args.profile and torch.cuda.is_available():
+        llm = set_mode(engines, app_names, "seven")
+        n, in_len, _ = table["decode"]
+        result["decode_step_kernels"] = kernel_names(llm, torch.randint(100, vocab - 100, (n, in_len),
+                                                                        generator=gen).tolist())
+        set_mode(engines, app_names, "installed_idle")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main()

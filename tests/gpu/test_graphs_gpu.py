@@ -1,0 +1,178 @@
+"""GPU only (the lent H200, vllm 0.26.0): installed apps run inside replayed CUDA graphs.
+
+Not collected by CI (pyproject ignores tests/gpu). Run there as:
+    XMIX_GPU_MODEL=.gpumodel XMIX_GPU_OUT=$OUT python3 -m pytest -q tests/gpu/test_graphs_gpu.py -o addopts=""
+One engine, vLLM's default compilation and CUDA-graph mode, dummy weights. Apps installed as it is
+built (so its graphs contain their launches): a steering write, a gated write (a generated
+kernel), a head ablation and a probe read. Checked:
+  - graphs are captured and replayed while requests select apps: no step falls back to eager;
+  - the apps take effect in decode steps (the tokens change; the probe reads generated positions);
+  - the result equals the same hooks run per call (host-planned, in steps without graphs);
+  - deactivating, reselecting and re-parameterising change results with no new capture.
+"""
+import json
+import os
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import xmix_lens  # noqa: F401  (sets vLLM's environment before vLLM is imported)
+from xmix_lens import HookedServedModel
+
+pytestmark = pytest.mark.gpu
+
+PROMPTS = ["The capital of France is", "Steering vectors move", "One two three four five six seven eight"]
+NEW = 16
+RESULTS: dict = {}
+
+
+def record(name: str, **values) -> None:
+    RESULTS[name] = values
+    out = os.environ.get("XMIX_GPU_OUT")
+    if out:
+        RESULTS["_device"] = torch.cuda.get_device_name()
+        RESULTS["_versions"] = {"torch": torch.__version__, "vllm": __import__("vllm").__version__}
+        with open(os.path.join(out, "graphs_gpu.json"), "w") as f:
+            json.dump(RESULTS, f, indent=1, default=str)
+
+
+class Hooks:
+    def __init__(self, d_model: int):
+        g = torch.Generator().manual_seed(0)
+        self.v = torch.randn(d_model, generator=g) * 0.05  # dummy weights are tiny: so are activations
+        d = torch.randn(d_model, generator=g)
+        self.d = d / d.norm()
+        self.w = torch.randn(d_model, 2, generator=g)
+
+    def apps(self, v=None):
+        v = self.v if v is None else v
+        d = self.d
+
+        def zero_head(act, hook):
+            act[:, :, 3] = 0.0
+
+        return {
+            "steer": [("blocks.2.hook_resid_post", lambda act, hook: act + v)],
+            "gate": [("blocks.5.hook_resid_post", lambda act, hook: act + torch.relu(act @ d)[..., None] * v * 50)],
+            "zero_head": [("blocks.1.attn.hook_z", zero_head)],
+        }
+
+
+class Replays:
+    """Counts the runner's CUDA-graph replays (FULL) and piecewise-graph runs."""
+
+    def __init__(self, runner):
+        manager = runner.cudagraph_manager
+        self.full = self.piecewise = 0
+        full, piecewise = manager.run_fullgraph, manager.run_pw_graph
+
+        def run_full(*a, **k):
+            self.full += 1
+            return full(*a, **k)
+
+        def run_pw(*a, **k):
+            self.piecewise += 1
+            return piecewise(*a, **k)
+
+        manager.run_fullgraph, manager.run_pw_graph = run_full, run_pw
+
+    def take(self):
+        counts = (self.full, self.piecewise)
+        self.full = self.piecewise = 0
+        return counts
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from vllm.compilation.counter import compilation_counter
+
+    path = os.environ.get("XMIX_GPU_MODEL", ".gpumodel")
+    d_model = json.load(open(os.path.join(path, "config.json")))["hidden_size"]
+    hooks = Hooks(d_model)
+    probe_kept = {}
+    apps = hooks.apps()
+    apps["probe"] = [("blocks.6.hook_resid_post", lambda act, hook: probe_kept.update(s=act @ hooks.w))]
+    start = time.time()
+    model = HookedServedModel.from_pretrained(path, dtype="bfloat16", load_format="dummy", max_model_len=512,
+                                              gpu_memory_utilization=0.3,
+                                              apps=[SimpleNamespace(name=n, fwd_hooks=h) for n, h in apps.items()])
+    config = model.llm.llm_engine.vllm_config.compilation_config
+    record("engine", seconds=time.time() - start, cudagraph_mode=str(config.cudagraph_mode),
+           compilation_mode=str(config.mode), captures=compilation_counter.num_gpu_runner_capture_triggers,
+           resident_captured={f"{o.app}:{o.index}": o.captured for o in model.runtime.control.ops})
+    runner = model.runtime.model_runner
+    return model, hooks, Replays(runner), compilation_counter
+
+
+def generate(model, row_apps):
+    rows = [model.to_tokens(p)[0].tolist() for p in PROMPTS]
+    trace = model._trace_hooks(len(rows), max(map(len, rows)))
+    job = (rows, [0] * len(rows), trace, None, NEW, {"temperature": 0.0, "ignore_eos": True}, row_apps)
+    ((p, generated),) = model._run_passes([job])
+    return [list(g) for g in generated], p.app_results
+
+
+def test_apps_run_inside_replayed_graphs_and_equal_per_call_hooks(engine):
+    model, hooks, replays, counter = engine
+    assert "NONE" not in RESULTS["engine"]["cudagraph_mode"]
+    assert all(RESULTS["engine"]["resident_captured"].values())
+    captures = counter.num_gpu_runner_capture_triggers
+    replays.take()
+    plain, _ = generate(model, [set()] * len(PROMPTS))
+    eager_before = model.runtime.eager_steps
+    chosen = [{"steer", "gate", "zero_head", "probe"}, {"steer"}, {"probe"}]
+    with_apps, reads = generate(model, chosen)
+    graph_replays = replays.take()
+    eager_with_apps = model.runtime.eager_steps - eager_before
+
+    # the same hooks per call, host-planned (steps without graphs), one row at a time
+    per_call, per_call_reads = [], []
+    for row, names in enumerate(chosen):
+        kept = {}
+        fwd = [h for n in ("steer", "gate", "zero_head") if n in names for h in hooks.apps()[n]]
+        if "probe" in names:
+            fwd.append(("blocks.6.hook_resid_post", lambda act, hook, kept=kept: kept.update(s=act @ hooks.w)))
+        tokens = model.generate(PROMPTS[row], max_new_tokens=NEW, do_sample=False, return_type="tokens",
+                                fwd_hooks=fwd, stop_at_eos=False)
+        per_call.append(tokens[0, len(model.to_tokens(PROMPTS[row])[0]):].tolist())
+        per_call_reads.append(kept)
+    eager_per_call = model.runtime.eager_steps - eager_before - eager_with_apps
+
+    probe_positions = {row: reads[row][next(iter(reads[row]))][0].tolist() for row in (0, 2)}
+    prompt_lens = [len(model.to_tokens(p)[0]) for p in PROMPTS]
+    record("graphs", captures_before=captures, captures_after=counter.num_gpu_runner_capture_triggers,
+           full_replays_and_piecewise_runs_with_apps=graph_replays, eager_steps_with_apps=eager_with_apps,
+           eager_steps_per_call=eager_per_call, tokens_plain=plain, tokens_with_apps=with_apps,
+           tokens_per_call=per_call, probe_positions=probe_positions, prompt_lens=prompt_lens)
+    assert eager_with_apps == 0 and graph_replays[0] > 0  # decode steps replayed FULL graphs
+    assert eager_per_call > 0  # the per-call path did run without graphs
+    assert with_apps == per_call
+    assert with_apps[0] != plain[0] and with_apps[1] != plain[1]
+    assert with_apps[2] == plain[2]  # a read changes nothing
+    for row in (0, 2):  # every prompt position and every generated one but the last
+        assert probe_positions[row] == list(range(prompt_lens[row] + NEW - 1))
+    assert counter.num_gpu_runner_capture_triggers == captures
+
+
+def test_toggles_change_results_without_recapture(engine):
+    model, hooks, replays, counter = engine
+    captures = counter.num_gpu_runner_capture_triggers
+    control = model.runtime.control
+    plain, _ = generate(model, [set()] * len(PROMPTS))
+    steered, _ = generate(model, [{"steer"}] * len(PROMPTS))
+    control.set_active("steer", False)
+    off, _ = generate(model, [{"steer"}] * len(PROMPTS))
+    control.set_active("steer", True)
+    model.runtime.set_app_params("steer", model._lower_app("steer", hooks.apps(v=-hooks.v)["steer"])[0])
+    reversed_, _ = generate(model, [{"steer"}] * len(PROMPTS))
+    per_call = [model.generate(p, max_new_tokens=NEW, do_sample=False, return_type="tokens", stop_at_eos=False,
+                               fwd_hooks=hooks.apps(v=-hooks.v)["steer"])[0, len(model.to_tokens(p)[0]):].tolist()
+                for p in PROMPTS]
+    replays.take()
+    record("toggles", captures_before=captures, captures_after=counter.num_gpu_runner_capture_triggers,
+           plain=plain, steered=steered, deactivated=off, new_params=reversed_, new_params_per_call=per_call)
+    assert off == plain and steered != plain
+    assert reversed_ == per_call and reversed_ != steered
+    assert counter.num_gpu_runner_capture_triggers == captures

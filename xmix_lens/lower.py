@@ -421,9 +421,9 @@ def lower(graph: Graph) -> list[LoweredOp]:
     lowerer = Lowerer(graph)
     reads_at: dict[Node, list] = {}  # version -> reads (to the host) and store puts of that version
     for key, n in graph.reads.items():
-        reads_at.setdefault(_version_of(n), []).append(((graph.phase, graph.hook_name, key), n, None))
+        reads_at.setdefault(_version_of(n, graph), []).append(((graph.phase, graph.hook_name, key), n, None))
     for spec, n in graph.stores.items():
-        reads_at.setdefault(_version_of(n), []).append((("store", spec.name), n, spec))
+        reads_at.setdefault(_version_of(n, graph), []).append((("store", spec.name), n, spec))
     writes: list[LoweredOp] = []
     for n in graph.nodes:
         lowerer.visit(n, writes)
@@ -438,8 +438,11 @@ def lower(graph: Graph) -> list[LoweredOp]:
     return ordered
 
 
-def _version_of(n: Node) -> Node:
-    """The version node (act or a write) whose value a read of `n` needs."""
+def _version_of(n: Node, graph: Graph) -> Node:
+    """The version node (act or a write) whose value a read of `n` needs; a value computed from
+    stores alone (no act) is read against act, the first version."""
     while n.op not in ("act", "write"):
-        n = next(a for a in n.args if isinstance(a, Node) and a.token_dims and a.op != "store")
+        n = next((a for a in n.args if isinstance(a, Node) and a.token_dims and a.op != "store"), None)
+        if n is None:
+            return next(v for v in graph.nodes if v.op == "act")
     return n

@@ -67,7 +67,9 @@ def seven_apps(cfg) -> tuple[list, torch.Tensor]:
 
 
 def engine_kwargs(args) -> dict:
-    kwargs = {"max_model_len": args.max_model_len, "gpu_memory_utilization": args.gpu_memory_utilization}
+    # no prefix caching: a mode would reuse the KV of the mode before it (same prompts, same engine)
+    kwargs = {"max_model_len": args.max_model_len, "gpu_memory_utilization": args.gpu_memory_utilization,
+              "enable_prefix_caching": False}
     if args.dummy:
         kwargs["load_format"] = "dummy"
     if args.eager_engines:

@@ -41,6 +41,8 @@ def affine_write_kernel(
     # int64 offsets: T * F can pass 2**31 on large engine steps.
     rows = tl.load(rows_ptr + entries, mask=entry_mask, other=0).to(tl.int64)
     entry_mask &= rows >= 0  # a row of -1 is a token this launch leaves alone
+    # a block of gated-off rows (every row, in an idle graph-replayed step) reads nothing
+    F_live = tl.where(tl.max(entry_mask.to(tl.int32), axis=0) > 0, F, 0)
     scale_rows = tl.load(scale_idx_ptr + entries, mask=entry_mask, other=0).to(tl.int64)
     bias_rows = tl.load(bias_idx_ptr + entries, mask=entry_mask, other=0).to(tl.int64)
     features = tl.arange(0, BLOCK_FEATURES)
@@ -51,7 +53,7 @@ def affine_write_kernel(
         # row is overwritten. The launcher gives such a program whole rows (num_programs(1) == 1):
         # nobody else writes them, and this program reads every feature before writing one.
         projection = tl.zeros((BLOCK_ROWS, BLOCK_RANK), dtype=tl.float32)
-        for f0 in range(0, F, BLOCK_FEATURES):
+        for f0 in range(0, F_live, BLOCK_FEATURES):
             cols = f0 + features
             mask = entry_mask[:, None] & (cols < F)[None, :]
             x_block = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0)
@@ -61,7 +63,7 @@ def affine_write_kernel(
             # with 10-bit mantissas would leave a visible residue.
             projection += tl.dot(x_block.to(tl.float32), u_block, input_precision="ieee")
 
-    for f0 in range(tl.program_id(1) * BLOCK_FEATURES, F, tl.num_programs(1) * BLOCK_FEATURES):
+    for f0 in range(tl.program_id(1) * BLOCK_FEATURES, F_live, tl.num_programs(1) * BLOCK_FEATURES):
         cols = f0 + features
         mask = entry_mask[:, None] & (cols < F)[None, :]
         x_offsets = rows[:, None] * x_row_stride + cols[None, :]

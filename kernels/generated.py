@@ -66,21 +66,23 @@ Example: steering through a gate, x + relu(x . d) * v with F = 200, generates
             # int64 offsets: T * F can pass 2**31 on large engine steps.
             rows = tl.load(rows_ptr + entries, mask=live, other=0).to(tl.int64)
             live = live & (rows >= 0)  # a row of -1 is a token this launch leaves alone
-            v0 = tl.load(x_ptr + rows * x_row_stride + lanes200, mask=live & in200, other=0.0).to(tl.float32)
-            v1 = tl.load(c0_ptr + lanes200, mask=in200, other=0.0)
-            v2 = v0 * v1
-            v3 = tl.sum(tl.where(in200, v2, 0.0), axis=1, keep_dims=True)
-            v4 = tl.maximum(v3, 0.0)
-            v5 = tl.load(c1_ptr + lanes200, mask=in200, other=0.0)
-            v6 = v4 * v5
-            v7 = v0 + v6
-            if WRITE:
-                tl.store(x_ptr + rows * x_row_stride + lanes200, v7.to(x_ptr.dtype.element_ty), mask=live & in200)
-            else:
-                dest = tl.load(dest_ptr + entries, mask=live, other=0).to(tl.int64)
-                tl.store(out_ptr + dest * out_row_stride + lanes200, v7.to(out_ptr.dtype.element_ty), mask=live & in200)
+            # a block of gated-off rows (every row, in an idle graph-replayed step) does nothing
+            if tl.max(tl.max(live.to(tl.int32), axis=1), axis=0) > 0:
+                v0 = tl.load(x_ptr + rows * x_row_stride + lanes200, mask=live & in200, other=0.0).to(tl.float32)
+                v1 = tl.load(c0_ptr + lanes200, mask=in200, other=0.0)
+                v2 = v0 * v1
+                v3 = tl.sum(tl.where(in200, v2, 0.0), axis=1, keep_dims=True)
+                v4 = tl.maximum(v3, 0.0)
+                v5 = tl.load(c1_ptr + lanes200, mask=in200, other=0.0)
+                v6 = v4 * v5
+                v7 = v0 + v6
+                if WRITE:
+                    tl.store(x_ptr + rows * x_row_stride + lanes200, v7.to(x_ptr.dtype.element_ty), mask=live & in200)
+                else:
+                    dest = tl.load(dest_ptr + entries, mask=live, other=0).to(tl.int64)
+                    tl.store(out_ptr + dest * out_row_stride + lanes200, v7.to(out_ptr.dtype.element_ty), mask=live & in200)
 
-(the file also lists the program in a header comment; tests check that this example is current).
+    (the file also lists the program in a header comment; tests check that this example is current).
 """
 
 import hashlib
@@ -467,7 +469,10 @@ class _Source:
             *("    " + line for line in setup),
             "    # Program p takes row blocks p, p + num_programs, ...: a bounded grid bounds the scratch.",
             "    for block in range(tl.program_id(0), tl.cdiv(R, BLOCK_ROWS), tl.num_programs(0)):",
-            *("        " + line for line in rows + body),
+            *("        " + line for line in rows),
+            "        # a block of gated-off rows (every row, in an idle graph-replayed step) does nothing",
+            "        if tl.max(tl.max(live.to(tl.int32), axis=1), axis=0) > 0:",
+            *("            " + line for line in body),
             "",
         ])
 

@@ -36,10 +36,12 @@ def project_read_kernel(
     # int64 offsets: T * F can pass 2**31 on large engine steps.
     rows = tl.load(rows_ptr + entries, mask=entries < R, other=0).to(tl.int64)
     live = (entries < R) & (rows >= 0)  # a row of -1 is a token this launch leaves alone
+    # a block of gated-off rows (every row, in an idle graph-replayed step) reads nothing
+    F_live = tl.where(tl.max(live.to(tl.int32), axis=0) > 0, F, 0)
     features = tl.arange(0, BLOCK_FEATURES)
 
     accumulator = tl.zeros((BLOCK_ROWS, BLOCK_OUTPUTS), dtype=tl.float32)
-    for f0 in range(0, F, BLOCK_FEATURES):
+    for f0 in range(0, F_live, BLOCK_FEATURES):
         cols = f0 + features
         x_mask = live[:, None] & (cols < F)[None, :]
         x_block = tl.load(x_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=x_mask, other=0.0)

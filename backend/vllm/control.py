@@ -86,7 +86,8 @@ class ControlPlane:
         self.control = torch.full((MAX_RESIDENT_OPS, 2, self.max_tokens), -1, dtype=torch.int32, device=self.device)
         # staged on the host, copied in one piece; two of them, so that a copy still in flight is
         # never overwritten by the next step's preparation
-        self._staging = [torch.full((MAX_RESIDENT_OPS, 2, self.max_tokens), -1, dtype=torch.int32,
+        # (device="cpu" explicitly: vLLM builds the model under a default-device context)
+        self._staging = [torch.full((MAX_RESIDENT_OPS, 2, self.max_tokens), -1, dtype=torch.int32, device="cpu",
                                     pin_memory=pin) for _ in range(RING_DEPTH)]
         self._staged_events = [None] * RING_DEPTH
         self.zeros = torch.zeros(self.max_tokens, dtype=torch.int32, device=self.device)
@@ -292,7 +293,7 @@ class ControlPlane:
 def _home(t: torch.Tensor, pin: bool) -> torch.Tensor:
     if not pin:
         return t.clone()
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
     host.copy_(t, non_blocking=True)
     return host
 

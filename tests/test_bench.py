@@ -1,0 +1,30 @@
+"""The serving benchmark's harness, run once at toy size on the CPU (the GPU figures come from the
+same harness on the lent H200: bench/results/, docs/benchmarks.md).
+
+Speed is not asserted here (CPU timings of a toy say nothing); what the numbers stand on is: every
+mode ran, the idle modes serve what native vLLM serves, and the steering mode steers exactly as the
+eager torch-hook approach does."""
+import json
+
+from bench import serving
+from xmix_lens.models import tiny_llama
+
+
+def test_harness_runs_every_mode_and_the_modes_do_what_they_claim(tmp_path):
+    out = tmp_path / "toy.json"
+    serving.main(["--model", str(tiny_llama()), "--toy", "--eager-engines", "--repeats", "2",
+                  "--max-model-len", "128", "--dtype", "float32", "--out", str(out)])
+    result = json.loads(out.read_text())
+    decode = result["workloads"]["decode"]
+    assert set(decode["summary"]) == set(serving.MODES)
+    for mode, row in decode["summary"].items():
+        assert len(decode["runs"][mode]) == 2
+        for metric in ("mean_itl_ms", "p99_itl_ms", "mean_ttft_ms", "throughput_tok_s"):
+            assert row[metric]["median"] > 0 and row[metric]["min"] <= row[metric]["median"] <= row[metric]["max"]
+        assert row["mean_itl_ms"]["ratio_to_native"] == row["mean_itl_ms"]["median"] / \
+            decode["summary"]["native"]["mean_itl_ms"]["median"]
+    same = decode["tokens_equal_native"]
+    assert all(same["installed_idle"]) and all(same["armed_idle"])  # idle apps and sites change nothing
+    assert not any(same["steer"]) and not any(same["seven"])  # active apps do change the output
+    assert all(same["steer_vs_eager_hook"])  # the installed steering app equals a torch forward hook
+    assert result["command"].startswith("python -m bench.serving")

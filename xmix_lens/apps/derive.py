@@ -30,14 +30,22 @@ def split(items: list) -> tuple[list, list]:
 
 def activations(model, prompts: list[str], hook_name: str, batch_size: int = 32) -> list[torch.Tensor]:
     """Each prompt's activations at `hook_name` at its real positions, [len, *features]."""
-    out = []
+    return activations_at(model, prompts, [hook_name], batch_size)[hook_name]
+
+
+def activations_at(model, prompts: list[str], hook_names: list[str], batch_size: int = 32) -> dict:
+    """{hook name: each prompt's activations there at its real positions, [len, *features]}, from
+    one cached run per batch."""
+    out = {name: [] for name in hook_names}
     for start in range(0, len(prompts), batch_size):
         batch = prompts[start: start + batch_size]
-        _, cache = model.run_with_cache(batch, names_filter=hook_name, padding_side="left", return_type=None)
-        acts = cache[hook_name]
-        for row, prompt in enumerate(batch):
-            n = len(model.to_tokens(prompt)[0])
-            out.append(acts[row, acts.shape[1] - n:].clone())
+        _, cache = model.run_with_cache(batch, names_filter=lambda n: n in out, padding_side="left",
+                                        return_type=None)
+        for name in hook_names:
+            acts = cache[name]
+            for row, prompt in enumerate(batch):
+                n = len(model.to_tokens(prompt)[0])
+                out[name].append(acts[row, acts.shape[1] - n:].clone())
     return out
 
 
@@ -79,6 +87,12 @@ def ridge_lda_probe(X: torch.Tensor, labels: torch.Tensor, ridge: float = 1.0) -
     cov = centred.T @ centred / len(X)
     w = torch.linalg.solve(cov + ridge * cov.trace() / cov.shape[0] * torch.eye(cov.shape[0]), mu1 - mu0)
     return w, float(-((mu1 + mu0) / 2) @ w)
+
+
+def by_label(per_layer: dict, labels: torch.Tensor) -> tuple[dict, dict]:
+    """({layer: rows with label 1}, {layer: rows with label 0}), as `head_shifts` takes them."""
+    labels = labels.bool()
+    return {k: v[labels] for k, v in per_layer.items()}, {k: v[~labels] for k, v in per_layer.items()}
 
 
 def shuffled(labels: torch.Tensor, seed: int = 0) -> torch.Tensor:

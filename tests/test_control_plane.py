@@ -220,3 +220,54 @@ def test_messenger_under_chunked_prefill_and_preemption(served, small_steps):
         assert (values[:, 0] - expected).abs().max() < 1e-3
     assert len(positions_seen) > sum(len(r) for r in rows) + sum(map(len, generated)) - len(rows), \
         "no position was computed twice: the engine did not preempt"
+
+
+def test_per_token_apps_become_resident_and_equal_traced_hooks(served):
+    """model.install(App) puts a per-token app's ops in the engine (graph-safe); calls with apps=
+    give what the same hooks traced into the call give, reads included, and set_params,
+    uninstall and a reinstall under the same name act on the engine's copy."""
+    from xmix_lens import App
+
+    model = served[MODEL]
+    v, w = vector(model.cfg.d_model, 11, 4.0), vector(model.cfg.d_model, 12)
+    param = v.clone()  # the app's own tensor: set_params writes into it
+    steer = App("res-steer", fwd_hooks=[("blocks.0.hook_resid_post", lambda act, hook: act + param)],
+                params={"v": param})
+    probe = App("res-probe")
+    probe.fwd_hooks = [("blocks.1.hook_resid_post", lambda act, hook: probe.outputs.update(score=act @ w))]
+    model.install(steer)
+    model.install(probe)
+    try:
+        assert {"res-steer", "res-probe"} <= set(model.runtime.control.apps)
+        run = model.run_with_hooks(PROMPTS, apps=["res-steer", "res-probe"])
+        kept = {}
+        traced = model.run_with_hooks(PROMPTS, fwd_hooks=[
+            ("blocks.0.hook_resid_post", lambda act, hook: act + v),
+            ("blocks.1.hook_resid_post", lambda act, hook: kept.update(score=act @ w))])
+        lengths = [len(model.to_tokens(p)[0]) for p in PROMPTS]
+        for row, n in enumerate(lengths):
+            assert (run.result[row, :n] - traced[row, :n]).abs().max() < 1e-4
+            assert (run.outputs["res-probe"]["score"][row, :n] - kept["score"][row, :n]).abs().max() < 1e-4
+
+        generated = model.generate(PROMPTS[:2], max_new_tokens=5, do_sample=False, return_type="tokens",
+                                   apps=["res-steer"])
+        expected = model.generate(PROMPTS[:2], max_new_tokens=5, do_sample=False, return_type="tokens",
+                                  fwd_hooks=[("blocks.0.hook_resid_post", lambda act, hook: act + v)])
+        assert torch.equal(generated.result, expected)
+
+        model.set_params("res-steer", v=-v)
+        reversed_ = model.run_with_hooks(PROMPTS[:1], apps=["res-steer"]).result
+        minus = model.run_with_hooks(PROMPTS[:1], fwd_hooks=[("blocks.0.hook_resid_post", lambda act, hook: act - v)])
+        assert (reversed_ - minus).abs().max() < 1e-4
+    finally:
+        model.uninstall("res-steer")
+        model.uninstall("res-probe")
+    assert "res-steer" not in model.runtime.control.apps
+    again = App("res-steer", fwd_hooks=[("blocks.0.hook_resid_post", lambda act, hook: act + 2 * v)])
+    model.install(again)
+    try:
+        doubled = model.run_with_hooks(PROMPTS[:1], apps=["res-steer"]).result
+        twice = model.run_with_hooks(PROMPTS[:1], fwd_hooks=[("blocks.0.hook_resid_post", lambda act, hook: act + 2 * v)])
+        assert (doubled - twice).abs().max() < 1e-4  # the uninstalled app's ops stay gated off
+    finally:
+        model.uninstall("res-steer")

@@ -98,6 +98,9 @@ class _Registry:
         self.apps: dict[str, App] = {}  # install order
         self.active_all: set[str] = set()  # active for every row of a call without apps=
         self.active_rows: dict[int, set[str]] = {}  # active for these rows of such calls
+        # apps whose ops are resident in the engine (graph-safe; backend/vllm/control.py):
+        # name -> {read key: (output name, per-token feature shape)}
+        self.resident: dict[str, dict] = {}
 
     def check_names(self, names: Iterable[str], where: str) -> list[str]:
         names = [names] if isinstance(names, str) else list(names)
@@ -155,7 +158,31 @@ def install(model, app: App) -> App:
                              f"so dim {dim} must be {want}; build the app from vectors of this model at this hook point")
     _check_traces(model, app)
     reg.apps[app.name] = app
+    _make_resident(model, app)
     return app
+
+
+def _make_resident(model, app: App) -> None:
+    """Install the app's ops in the engine itself when its hooks are per token (no position
+    selection, no stores, no per-token tables): selected per request by buffer writes, inside the
+    engine's CUDA graphs when it was built with the app (`from_pretrained(apps=...)`). Other apps
+    are traced into each call's passes."""
+    from .trace import TraceError
+
+    reg = registry(model)
+    try:
+        ops, kept = model._lower_app(app.name, app.fwd_hooks)
+        names = {id(value): key for key, value in app.outputs.items()}
+        if any(id(proxy) not in names for _, proxy in kept):
+            return  # it keeps values elsewhere than in app.outputs: only a traced pass returns them
+        reads = {key: (names[id(proxy)], tuple(proxy.shape[2:])) for key, proxy in kept}
+        if app.name not in model.runtime.control.apps:  # from_pretrained(apps=...) installed it already
+            model.runtime.install_app(app.name, ops)
+        reg.resident[app.name] = reads
+    except (TraceError, ValueError, NotImplementedError):
+        return  # not per token: run per call
+    finally:
+        app.outputs.clear()
 
 
 def _check_traces(model, app: App) -> None:
@@ -180,6 +207,8 @@ def uninstall(model, name: str) -> App:
     reg.active_all.discard(name)
     for names in reg.active_rows.values():
         names.discard(name)
+    if reg.resident.pop(name, None) is not None:
+        model.runtime.control.uninstall(name)
     return reg.apps.pop(name)
 
 
@@ -212,7 +241,14 @@ def deactivate(model, names=None, requests: Iterable[int] | None = None) -> None
 def set_params(model, name: str, **values) -> int:
     reg = registry(model)
     reg.check_names([name], "set_params")
-    return reg.apps[name].set_params(**values)
+    app = reg.apps[name]
+    version = app.set_params(**values)
+    if name in reg.resident:  # the engine's copies of the lowered tensors, updated in place
+        try:
+            model.runtime.set_app_params(name, model._lower_app(name, app.fwd_hooks)[0])
+        finally:
+            app.outputs.clear()
+    return version
 
 
 # --- running calls with apps -------------------------------------------------------------------
@@ -288,22 +324,24 @@ def _forward_plan(model, input, return_type, prepend_bos, padding_side, attentio
 
     if return_type not in ("logits", "loss", "both", None):
         raise ValueError(f"return_type {return_type!r}: use 'logits', 'loss', 'both' or None")
-    tokens, mask, rows, _ = model._rows(input, prepend_bos, padding_side, attention_mask)
+    tokens, mask, rows, offsets = model._rows(input, prepend_bos, padding_side, attention_mask)
     reg = registry(model)
     selection = reg.selection(apps, len(rows))
     if selection is None:
         return None
     groups = _groups(model, selection)
-    jobs = []
+    jobs, runs = [], []
     for g in groups:
         group_apps = [reg.apps[n] for n in g.apps]
+        traced = [app for app in group_apps if app.name not in reg.resident]
         for app in group_apps:
             app.outputs.clear()
-        with _attached(model, group_apps):
+        with _attached(model, traced):
             # the full batch's padded width, so that every group's logits and reads line up
-            jobs.append(model._forward_job(tokens[g.rows], "logits" if return_type else None,
-                                           attention_mask=mask[g.rows]))
-        g.outputs = _snapshot(group_apps)
+            job = model._forward_job(tokens[g.rows], "logits" if return_type else None, attention_mask=mask[g.rows])
+        jobs.append(job)
+        runs.append(job.run + ([_resident_names(reg, g.apps)] * len(g.rows),))
+        g.outputs = _snapshot(traced)
 
     def finish(passes) -> AppRun:
         logits = None
@@ -313,13 +351,43 @@ def _forward_plan(model, input, return_type, prepend_bos, padding_side, attentio
                 if logits is None:
                     logits = torch.empty((len(rows),) + tuple(part.shape[1:]), dtype=part.dtype)
                 logits[g.rows] = part
+            g.outputs.update(_resident_reads(model, g, p.app_results, [offsets[i] for i in g.rows],
+                                             tokens.shape[1])[0])
         result = logits
         if return_type in ("loss", "both"):
             loss = _next_token_loss(logits, tokens, mask, loss_per_token)
             result = loss if return_type == "loss" else (logits, loss)
         return AppRun(result, _merged(groups, len(rows), "outputs"), {}, selection)
 
-    return [job.run for job in jobs], finish
+    return runs, finish
+
+
+def _resident_names(reg: _Registry, names) -> frozenset:
+    return frozenset(n for n in names if n in reg.resident)
+
+
+def _resident_reads(model, g: _Group, results: list[dict], offsets: list[int], width: int,
+                    prompt_lens: list[int] | None = None) -> tuple[dict, dict]:
+    """A group's reads by resident apps, shaped as the traced path returns them: per app and
+    output, [rows, width, *features] at padded prompt positions (zero where a row has no token)
+    and, when generating (prompt_lens given), [rows, 1, *features] for the newest token read."""
+    reg, prompt, generated = registry(model), {}, {}
+    for name in _resident_names(reg, g.apps):
+        for key, (output, features) in reg.resident[name].items():
+            at_prompt = torch.zeros(len(g.rows), width, *features, dtype=model.cfg.dtype)
+            newest = torch.zeros(len(g.rows), 1, *features, dtype=model.cfg.dtype)
+            for i, per_row in enumerate(results):
+                if (name, key) not in per_row:
+                    continue
+                positions, values = per_row[(name, key)]
+                values = values.reshape(len(values), *features).to(model.cfg.dtype)
+                in_prompt = positions < (prompt_lens[i] if prompt_lens else width - offsets[i])
+                at_prompt[i, positions[in_prompt] + offsets[i]] = values[in_prompt]
+                if prompt_lens and not bool(in_prompt.all()):
+                    newest[i, 0] = values[-1]  # positions are sorted: the last is the newest token's
+            prompt.setdefault(name, {})[output] = at_prompt
+            generated.setdefault(name, {})[output] = newest
+    return prompt, generated
 
 
 def with_apps_forward(original: Callable) -> Callable:
@@ -398,19 +466,23 @@ def with_apps_generate(original: Callable) -> Callable:
             jobs = []
             for g in groups:
                 group_apps = [reg.apps[n] for n in g.apps]
+                traced = [app for app in group_apps if app.name not in reg.resident]
                 for app in group_apps:
                     app.outputs.clear()
-                with _attached(model, group_apps):
+                with _attached(model, traced):
                     prompt = model._trace_hooks(len(g.rows), P)
-                    g.outputs = _snapshot(group_apps)
+                    g.outputs = _snapshot(traced)
                     step = model._trace_hooks(len(g.rows), 1, inherited=prompt.per_request_stores, phase="decode")
-                    g.generated_outputs = _snapshot(group_apps)
+                    g.generated_outputs = _snapshot(traced)
                 jobs.append(([rows[i] for i in g.rows], [offsets[i] for i in g.rows], prompt, step,
-                             a["max_new_tokens"], sampling))
+                             a["max_new_tokens"], sampling, [_resident_names(reg, g.apps)] * len(g.rows)))
         new_tokens: list = [None] * B
-        for g, (_, outs) in zip(groups, model._run_passes(jobs)):
+        for g, job, (p, outs) in zip(groups, jobs, model._run_passes(jobs)):
             for row, out in zip(g.rows, outs):
                 new_tokens[row] = list(out)
+            prompt_reads, newest_reads = _resident_reads(model, g, p.app_results, job[1], P, [len(r) for r in job[0]])
+            g.outputs.update(prompt_reads)
+            g.generated_outputs.update(newest_reads)
         full = [r + t for r, t in zip(rows, new_tokens)]
         return AppRun(_format_generated(model, input, full, a["return_type"]), _merged(groups, B, "outputs"),
                       _merged(groups, B, "generated_outputs"), selection)

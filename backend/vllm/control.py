@@ -107,10 +107,12 @@ class ControlPlane:
         if len(self.ops) + count > MAX_RESIDENT_OPS:
             raise ValueError(f"installing {name!r} needs {count} resident ops; this engine holds "
                              f"{MAX_RESIDENT_OPS - len(self.ops)} more (MAX_RESIDENT_OPS = {MAX_RESIDENT_OPS})")
+        for ops in ops_by_site.values():  # every op checked before any is installed
+            for op in ops:
+                _check_resident(name, op)
         resident = []
         for site, ops in ops_by_site.items():
             for op in ops:
-                _check_resident(name, op)
                 if isinstance(op, Read) and op.W is not None and op.bias is None:
                     op = replace(op, bias=torch.zeros(op.W.shape[1]))  # allocated once, not per launch
                 entry = ResidentOp(name, site, len(self.ops), to_device(op, self.device))
@@ -137,6 +139,15 @@ class ControlPlane:
                 old.copy_(value)
         app.version += 1
         return app.version
+
+    def uninstall(self, name: str) -> None:
+        """Remove an app. Its ops keep their launches (a captured graph holds them) and their
+        control rows, gated off for good: they answer to a name no request can select."""
+        app = self.apps.pop(self._app(name).name)
+        retired = f"{name} (uninstalled, {len(self._bit)})"
+        self._bit[retired] = self._bit.pop(name)
+        for op in app.ops:
+            op.app = retired
 
     def set_active(self, name: str, active: bool) -> None:
         self._app(name).active = active

@@ -133,6 +133,11 @@ class HookedServedModel:
         runner, model.runtime = adapter.bind(llm)
         model.llm = llm
         model.W_U, model.b_U = unembedding(runner.model, family, cfg.d_vocab)
+        from .app import App
+
+        for app in apps:  # xmix_lens.App objects join the model's registry too (selectable by apps=)
+            if isinstance(app, App):
+                model.install(app)
         return model
 
     # --- tokens (TransformerLens's rules) -------------------------------------------------------

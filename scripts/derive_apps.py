@@ -58,14 +58,14 @@ def sentiment(model, neutral, base):
     return directions["real"]
 
 
-def probe_figures(model, name, hook, w_b, w_b_control, prompts, y, read):
+def probe_figures(model, what, hook, w_b, w_b_control, prompts, y, read):
     figures = {}
     for kind, (w, b) in (("real", w_b), ("control", w_b_control)):
-        app = (apps.linear_probe if read == "last" else apps.harmful_request_detector)(f"{name}_{kind}", hook, w, b)
+        app = (apps.linear_probe if read == "last" else apps.harmful_request_detector)(f"probe_{kind}", hook, w, b)
         scores = with_app(model, app, prompts).outputs[app.name][read]
         figures[kind] = (D.auc(scores, y), D.accuracy(scores, y))
-    report(f"{name}: held-out AUC", figures["real"][0], figures["control"][0])
-    report(f"{name}: held-out accuracy", figures["real"][1], figures["control"][1])
+    report(f"{what}: held-out AUC", figures["real"][0], figures["control"][0])
+    report(f"{what}: held-out accuracy", figures["real"][1], figures["control"][1])
 
 
 def truth(model):

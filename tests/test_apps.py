@@ -175,7 +175,9 @@ def tl_harmful_request_detector(app, prompt_mask):
 
 
 def generate_tokens(xl, prompts, **kwargs):
-    return xl.generate(prompts, max_new_tokens=NEW, do_sample=False, stop_at_eos=False, return_type="tokens", **kwargs)
+    # left padding: a prompt read of act[:, -1] is each row's last token, in a batch as alone
+    return xl.generate(prompts, max_new_tokens=NEW, do_sample=False, stop_at_eos=False, return_type="tokens",
+                       padding_side="left", **kwargs)
 
 
 def teacher_forced_matches(tl, xl, prompt, sequence, twin) -> bool:

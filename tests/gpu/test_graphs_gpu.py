@@ -19,23 +19,15 @@ import pytest
 import torch
 
 import xmix_lens  # noqa: F401  (sets vLLM's environment before vLLM is imported)
+from gpu_results import Results
 from xmix_lens import HookedServedModel
 
 pytestmark = pytest.mark.gpu
 
 PROMPTS = ["The capital of France is", "Steering vectors move", "One two three four five six seven eight"]
 NEW = 16
-RESULTS: dict = {}
-
-
-def record(name: str, **values) -> None:
-    RESULTS[name] = values
-    out = os.environ.get("XMIX_GPU_OUT")
-    if out:
-        RESULTS["_device"] = torch.cuda.get_device_name()
-        RESULTS["_versions"] = {"torch": torch.__version__, "vllm": __import__("vllm").__version__}
-        with open(os.path.join(out, "graphs_gpu.json"), "w") as f:
-            json.dump(RESULTS, f, indent=1, default=str)
+RESULTS = Results("graphs_gpu.json")
+record = RESULTS.record
 
 
 class Hooks:

@@ -1,13 +1,13 @@
 """GPU only (the lent H200, vllm 0.26.0): the served path with its real Triton kernels.
 
 Not collected by CI (pyproject ignores tests/gpu). Run there as:
-    XMIX_GPU_MODEL=.gpumodel XMIX_GPU_OUT=$OUT python3 -m pytest -q tests/gpu -o addopts=""
+    XMIX_GPU_MODEL=.gpumodel XMIX_GPU_OUT=$OUT python3 -m pytest -q tests/gpu/test_served_gpu.py -o addopts=""
 The model folder holds a Llama config and a tokenizer; weights are vLLM's deterministic dummy
-weights, identical in both engines. The compiled engine (torch.compile on; CUDA graphs are off
-until the graph-safe runtime lands) must give what the eager engine gives, with and without
-hooks, and the hooks must run through the Triton kernels, not the torch twins.
+weights, identical in both engines. The compiled engine (torch.compile and CUDA graphs on; steps
+with these per-call hooks run without graphs) must give what the eager engine gives, with and
+without hooks, and the hooks must run through the Triton kernels, not the torch twins.
+Stalled on its first pass on 2026-11-29 (CUDA graphs were off then); not run since.
 """
-import json
 import os
 import time
 
@@ -15,23 +15,15 @@ import pytest
 import torch
 
 import xmix_lens  # noqa: F401  (sets vLLM's environment before vLLM is imported)
+from gpu_results import Results
 from xmix_lens import HookedServedModel, store
 from xmix_lens.backend.vllm import runtime as site_runtime
 
 pytestmark = pytest.mark.gpu
 
 PROMPTS = ["The capital of France is", "Steering vectors move", "One two three four five six seven eight"]
-RESULTS: dict = {}
-
-
-def record(name: str, **values) -> None:
-    RESULTS[name] = values
-    out = os.environ.get("XMIX_GPU_OUT")
-    if out:
-        RESULTS["_device"] = torch.cuda.get_device_name()
-        RESULTS["_versions"] = {"torch": torch.__version__, "vllm": __import__("vllm").__version__}
-        with open(os.path.join(out, "served_gpu.json"), "w") as f:
-            json.dump(RESULTS, f, indent=1)
+RESULTS = Results("served_gpu.json")
+record = RESULTS.record
 
 
 def build(**kwargs) -> HookedServedModel:

@@ -12,7 +12,7 @@ from vllm.compilation.counter import compilation_counter
 
 from xmix_lens.models import tiny_llama
 
-from test_serving import eager_tiny_llama
+from test_serving import LONG_PROMPT, eager_tiny_llama
 
 MODEL = "tiny-llama"
 PROMPTS = ["The cat sat on the mat and looked", "One two three", "A quick brown fox jumps", "Hello"]
@@ -254,6 +254,9 @@ def test_per_token_apps_become_resident_and_equal_traced_hooks(served):
         expected = model.generate(PROMPTS[:2], max_new_tokens=5, do_sample=False, return_type="tokens",
                                   fwd_hooks=[("blocks.0.hook_resid_post", lambda act, hook: act + v)])
         assert torch.equal(generated.result, expected)
+        # generate shares the prefix cache (a forward pass reads logits: a fresh salt); the app's
+        # KV blocks are now cached
+        model.generate(LONG_PROMPT, max_new_tokens=2, do_sample=False, apps=["res-steer"])
 
         model.set_params("res-steer", v=-v)
         reversed_ = model.run_with_hooks(PROMPTS[:1], apps=["res-steer"]).result
@@ -266,8 +269,14 @@ def test_per_token_apps_become_resident_and_equal_traced_hooks(served):
     again = App("res-steer", fwd_hooks=[("blocks.0.hook_resid_post", lambda act, hook: act + 2 * v)])
     model.install(again)
     try:
+        # the uninstalled app's ops stay gated off
         doubled = model.run_with_hooks(PROMPTS[:1], apps=["res-steer"]).result
         twice = model.run_with_hooks(PROMPTS[:1], fwd_hooks=[("blocks.0.hook_resid_post", lambda act, hook: act + 2 * v)])
-        assert (doubled - twice).abs().max() < 1e-4  # the uninstalled app's ops stay gated off
+        assert (doubled - twice).abs().max() < 1e-4
+        # and the KV it left in the prefix cache, under the same app name, serves nobody
+        model.generate(LONG_PROMPT, max_new_tokens=2, do_sample=False, apps=["res-steer"])
+        assert model.last_run_stats["cached_tokens"] == 0
+        model.generate(LONG_PROMPT, max_new_tokens=2, do_sample=False, apps=["res-steer"])
+        assert model.last_run_stats["cached_tokens"] > 0  # while the same app's own KV is reused
     finally:
         model.uninstall("res-steer")

@@ -113,7 +113,7 @@ class HookedServedModel:
 
         from vllm import LLM
 
-        from .backend.vllm import adapter, runtime
+        from .backend.vllm import adapter, control, runtime
         from .backend.vllm.sites import unembedding
 
         armed_names = armed if armed == "all" else [hook_points.canonical_name(n) for n in armed]
@@ -123,7 +123,10 @@ class HookedServedModel:
             # lowered now and installed while the engine builds its model: before CUDA-graph
             # capture, so that the graphs contain the apps' launches
             xmix_config["apps_key"] = key = uuid.uuid4().hex
-            runtime.PENDING_APPS[key] = [(app.name, model._lower_app(app.name, app.fwd_hooks)[0]) for app in apps]
+            lowered = [(app.name, model._lower_app(app.name, app.fwd_hooks)[0]) for app in apps]
+            for name, ops in lowered:  # refused now, not halfway through building the engine
+                control.check_resident(name, ops)
+            runtime.PENDING_APPS[key] = lowered
         try:
             llm = LLM(model=str(model_dir), dtype=str(torch_dtype).removeprefix("torch."), enforce_eager=enforce_eager,
                       max_model_len=max_model_len or min(cfg.n_ctx, 2048), skip_tokenizer_init=True,
@@ -568,15 +571,16 @@ def _cache_salt(prompt: "TracedHooks", step: "TracedHooks | None") -> str | None
 
 
 def _app_salt(control, names, salt: str | None) -> str | None:
-    """A request's prefix-cache salt with its installed apps: KV computed under an app's writes (at
-    one version of its parameters) serves only requests with the same apps and versions; an app
-    that reads needs every position computed, so nothing is reused."""
+    """A request's prefix-cache salt with its installed apps: KV computed under an app's writes serves
+    only requests whose apps do the same (a digest of their ops: new parameters, or another app
+    reinstalled under the name, get other blocks); an app that reads needs every position
+    computed, so nothing is reused."""
     if not names:
         return salt
     apps = [control.apps[n] for n in sorted(names)]
     if any(op.ring is not None for app in apps for op in app.ops):
         return uuid.uuid4().hex
-    return hashlib.sha256(repr((salt, [(a.name, a.version) for a in apps])).encode()).hexdigest()
+    return hashlib.sha256(repr((salt, [a.digest for a in apps])).encode()).hexdigest()
 
 
 def _next_token_loss(logits: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor, per_token: bool):

@@ -26,12 +26,13 @@ An op installed after the engine captured its CUDA graphs is not in them. Its la
 steps the engine runs without graphs: requests that select such an app make their steps eager
 (`needs_eager_steps`), which is correct and reported, never a silently dropped hook.
 """
+import hashlib
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
 
-from xmix_lens.lowered import AffineWrite, GeneratedRead, GeneratedWrite, LoweredOp, Read, to_device
+from xmix_lens.lowered import AffineWrite, GeneratedRead, GeneratedWrite, LoweredOp, Read, op_digest, to_device
 
 MAX_RESIDENT_OPS = 64
 RING_DEPTH = 2
@@ -54,6 +55,13 @@ class ResidentApp:
     ops: list[ResidentOp]
     version: int = 0
     active: bool = True  # deactivated apps stay resident (their graph launches are gated off)
+    digest: bytes = b""  # of what its ops do now: the prefix-cache salt of requests that select it
+
+    def refresh_digest(self) -> None:
+        h = hashlib.sha256()
+        for entry in self.ops:
+            h.update(op_digest(entry.op))
+        self.digest = h.digest()
 
 
 @dataclass
@@ -107,9 +115,7 @@ class ControlPlane:
         if len(self.ops) + count > MAX_RESIDENT_OPS:
             raise ValueError(f"installing {name!r} needs {count} resident ops; this engine holds "
                              f"{MAX_RESIDENT_OPS - len(self.ops)} more (MAX_RESIDENT_OPS = {MAX_RESIDENT_OPS})")
-        for ops in ops_by_site.values():  # every op checked before any is installed
-            for op in ops:
-                _check_resident(name, op)
+        check_resident(name, ops_by_site)  # every op checked before any is installed
         resident = []
         for site, ops in ops_by_site.items():
             for op in ops:
@@ -123,6 +129,7 @@ class ControlPlane:
                 self.by_site.setdefault(site, []).append(entry)
                 resident.append(entry)
         app = self.apps[name] = ResidentApp(name, resident)
+        app.refresh_digest()
         self._bit[name] = len(self._bit)
         return app
 
@@ -138,6 +145,7 @@ class ControlPlane:
             for old, value in zip(_tensors(entry.op), _tensors(op)):
                 old.copy_(value)
         app.version += 1
+        app.refresh_digest()
         return app.version
 
     def uninstall(self, name: str) -> None:
@@ -310,6 +318,13 @@ def _home(t: torch.Tensor, pin: bool) -> torch.Tensor:
     host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
     host.copy_(t, non_blocking=True)
     return host
+
+
+def check_resident(app: str, ops_by_key: dict) -> None:
+    """Whether an app's lowered ops can be resident; a clear error naming the first that cannot."""
+    for ops in ops_by_key.values():
+        for op in ops:
+            _check_resident(app, op)
 
 
 def _check_resident(app: str, op: LoweredOp) -> None:

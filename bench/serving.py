@@ -162,8 +162,7 @@ def run_once(llm, prompts, out_len) -> dict:
 def set_mode(engines, app_names, mode):
     """The engine a mode runs on, with the production engine's active apps chosen for it."""
     production = engines["production"]
-    control = production.runtime.control
-    control.set_defaults({"installed_idle": (), "steer": ("steer",), "seven": app_names}.get(mode, ()))
+    production.runtime.set_default_apps({"installed_idle": (), "steer": ("steer",), "seven": app_names}.get(mode, ()))
     return {"native": engines["native"], "armed_idle": engines["research"].llm,
             "eager_hook": engines["eager"]}.get(mode, production.llm)
 
@@ -257,8 +256,7 @@ def main(argv=None) -> dict:
                                          "runs": runs, "summary": summarise(runs),
                                          "tokens_equal_native": same_tokens}
         set_mode(engines, app_names, "installed_idle")
-        for req_id in list(engines["production"].runtime.control.results):
-            engines["production"].runtime.control.results.pop(req_id)
+        engines["production"].runtime.clear_results()
     if args.profile and torch.cuda.is_available():
         llm = set_mode(engines, app_names, "seven")
         n, in_len, _ = table["decode"]

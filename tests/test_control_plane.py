@@ -133,14 +133,14 @@ def test_toggles_are_buffer_writes(installed, monkeypatch):
     finally:
         model.runtime.control.set_active("cp-steer", True)
     assert launched() == first
-    version = model.runtime.set_app_params("cp-steer", model._lower_app("cp-steer", [
+    info = model.runtime.set_app_params("cp-steer", model._lower_app("cp-steer", [
         ("blocks.0.hook_resid_post", lambda act, hook: act - apps.v)])[0])
     try:
         reversed_, _ = run_selected(model, PROMPTS[:1], [{"cp-steer"}])
         assert launched() == first
     finally:
         model.runtime.set_app_params("cp-steer", model._lower_app("cp-steer", apps.steer())[0])
-    assert version >= 1
+    assert info.version >= 1
     assert [tuple(t.data_ptr() for t in vars(o.op).values() if isinstance(t, torch.Tensor)) for o in resident] \
         == addresses
     assert (compilation_counter.num_graphs_seen, compilation_counter.num_backend_compilations,

@@ -47,7 +47,7 @@ HOOKS = {  # name: (hook, the plan expected with 2 ranks)
     "zero_head": (zero_head, "local"),
     "steer": (lambda act, hook: act + v, "local"),
     "scale": (lambda act, hook: act * 0.5, "local"),
-    "project_out_across_heads": (project_out(d_all), "reduce"),
+    "project_out_across_heads": (project_out(d_all), "gather"),
     "project_out_in_one_head": (project_out(d_head0), "local"),
     "probe": (lambda act, hook: KEPT.append(act.flatten(-2) @ w), "reduce"),
     "relu_gate_elementwise": (lambda act, hook: torch.relu(act) * 2.0 + act, "local"),
@@ -102,17 +102,30 @@ def test_sharded_plan_equals_the_whole_site(name, world):
 
 
 def test_a_collective_is_needed_only_where_the_op_mixes_shards():
-    """Steering one head of four is local with any number of ranks; projecting out a direction
-    spread over every head needs the all-reduce, and dropping it gives a wrong result."""
+    """Projecting out a direction within one head is local; one spread over every head needs the
+    whole row (a gather), and running it shard-local instead gives a wrong result."""
     op = lowered(HOOKS["project_out_across_heads"][0])
     p = sharding.plan(op, F, 2)
     x = torch.randn(5, F, generator=torch.Generator().manual_seed(9))
     reference = x.clone()
     whole(op, reference)
     wrong = [s.clone() for s in x.split(F // 2, dim=1)]
-    sharding.run_sharded(sharding.ShardPlan("local", op, 2), wrong)  # no all-reduce
+    sharding.run_sharded(sharding.ShardPlan("local", op, 2), wrong)  # no gather
     assert (torch.cat(wrong, dim=1) - reference).abs().max() > 1e-2
-    assert p.kind == "reduce"
+    assert p.kind == "gather"
+    assert sharding.plan(lowered(HOOKS["project_out_in_one_head"][0]), F, 2).kind == "local"
+
+
+def test_a_reduce_read_adds_its_bias_once_and_resident_reads_gather():
+    """Each rank's partial projection carries the bias on rank 0 only (the all-reduce would count
+    it once per rank otherwise); an installed app's read runs as a gather (see `place`)."""
+    op = lowered(lambda act, hook: KEPT.append(act.flatten(-2) @ w + 1.0))
+    p = sharding.plan(op, F, 2)
+    assert p.kind == "reduce" and op.bias is not None
+    parts = [sharding.for_rank(p, F, rank) for rank in range(2)]
+    assert parts[0].W.shape == (F // 2, 3) and bool(parts[0].bias.eq(1).all()) and not parts[1].bias.any()
+    assert sharding.place(op, F, 1, 2, resident=True).kind == "gather"
+    assert sharding.place(op, F, 1, 2).op.W.shape == (F // 2, 3)
 
 
 def test_replicated_and_sharded_sites_are_named():

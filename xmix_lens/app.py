@@ -176,7 +176,7 @@ def _make_resident(model, app: App) -> None:
         if any(id(proxy) not in names for _, proxy in kept):
             return  # it keeps values elsewhere than in app.outputs: only a traced pass returns them
         reads = {key: (names[id(proxy)], tuple(proxy.shape[2:])) for key, proxy in kept}
-        if app.name not in model.runtime.control.apps:  # from_pretrained(apps=...) installed it already
+        if app.name not in model.runtime.installed:  # from_pretrained(apps=...) installed it already
             model.runtime.install_app(app.name, ops)
         reg.resident[app.name] = reads
     except (TraceError, ValueError, NotImplementedError):
@@ -208,7 +208,7 @@ def uninstall(model, name: str) -> App:
     for names in reg.active_rows.values():
         names.discard(name)
     if reg.resident.pop(name, None) is not None:
-        model.runtime.control.uninstall(name)
+        model.runtime.uninstall_app(name)
     return reg.apps.pop(name)
 
 

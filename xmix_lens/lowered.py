@@ -103,12 +103,15 @@ class GeneratedRead:
 LoweredOp = AffineWrite | Read | GeneratedWrite | GeneratedRead
 
 
-def to_device(op: LoweredOp, device) -> LoweredOp:
+def to_device(op: LoweredOp, device, moved: dict | None = None) -> LoweredOp:
     """The op with its tensors on the engine's device: moved once, when a pass opens, never per step.
 
-    Store buffers are allocated there already, and must stay the same tensors (they are live)."""
+    Store buffers are allocated there already, and must stay the same tensors (they are live);
+    `moved` maps id(tensor) to the device tensor already made for it (stores moved beforehand)."""
     def move(t):
-        return t.to(device) if isinstance(t, torch.Tensor) else t
+        if not isinstance(t, torch.Tensor):
+            return t
+        return moved[id(t)] if moved and id(t) in moved else t.to(device)
 
     if isinstance(op, (GeneratedWrite, GeneratedRead)):
         program = TokenProgram(op.program.ops, [move(c) for c in op.program.consts], op.program.output)

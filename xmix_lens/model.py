@@ -10,6 +10,8 @@ One forward pass (`run_with_hooks`, `run_with_cache`, `model(...)`) is:
 """
 import contextlib
 import hashlib
+import os
+import tempfile
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -113,35 +115,41 @@ class HookedServedModel:
 
         from vllm import LLM
 
-        from .backend.vllm import adapter, control, runtime
+        from .backend.vllm import adapter, control, remote
         from .backend.vllm.sites import unembedding
 
+        _check_tensor_parallel(cfg, engine_kwargs)
         armed_names = armed if armed == "all" else [hook_points.canonical_name(n) for n in armed]
         model = cls(None, model_dir, cfg, tokenizer, None, None)
         xmix_config = {"armed": armed_names}
-        if apps:
-            # lowered now and installed while the engine builds its model: before CUDA-graph
-            # capture, so that the graphs contain the apps' launches
-            xmix_config["apps_key"] = key = uuid.uuid4().hex
-            lowered = [(app.name, model._lower_app(app.name, app.fwd_hooks)[0]) for app in apps]
-            for name, ops in lowered:  # refused now, not halfway through building the engine
-                control.check_resident(name, ops)
-            runtime.PENDING_APPS[key] = lowered
-        try:
+        with tempfile.TemporaryDirectory(prefix="xmix-apps-") as folder:
+            if apps:
+                # lowered now and installed while the engine builds its model: before CUDA-graph
+                # capture, so that the graphs contain the apps' launches
+                lowered = [(app.name, model._lower_app(app.name, app.fwd_hooks)[0]) for app in apps]
+                for name, ops in lowered:  # refused now, not halfway through building the engine
+                    control.check_resident(name, ops)
+                xmix_config["apps_file"] = os.path.join(folder, "apps.pt")
+                torch.save(lowered, xmix_config["apps_file"])
             llm = LLM(model=str(model_dir), dtype=str(torch_dtype).removeprefix("torch."), enforce_eager=enforce_eager,
                       max_model_len=max_model_len or min(cfg.n_ctx, 2048), skip_tokenizer_init=True,
                       additional_config={"xmix_lens": xmix_config}, **engine_kwargs)
-        finally:
-            runtime.PENDING_APPS.pop(xmix_config.get("apps_key"), None)
         runner, model.runtime = adapter.bind(llm)
         model.llm = llm
-        model.W_U, model.b_U = unembedding(runner.model, family, cfg.d_vocab)
+        if runner is not None:
+            model.W_U, model.b_U = unembedding(runner.model, family, cfg.d_vocab)
+        else:  # every rank takes part in gathering the vocabulary shards; rank 0's answer
+            model.W_U, model.b_U = llm.collective_rpc(remote.unembedding_of, args=(family, cfg.d_vocab))[0]
         from .app import App
 
         for app in apps:  # xmix_lens.App objects join the model's registry too (selectable by apps=)
             if isinstance(app, App):
                 model.install(app)
         return model
+
+    def shutdown(self) -> None:
+        """Stop the engine now (under TP its worker processes exit) rather than at interpreter exit."""
+        self.llm.llm_engine.engine_core.shutdown()
 
     # --- tokens (TransformerLens's rules) -------------------------------------------------------
     def _tokenize(self, input: str | list[str], prepend_bos: bool | None, padding_side: str | None):
@@ -441,28 +449,34 @@ class HookedServedModel:
         from vllm.inputs import TokensPrompt
 
         engine = self.llm.llm_engine
+        installed = self.runtime.installed
         for job in jobs:  # unknown apps fail before anything is sent to the engine
             for names in (job[6] if len(job) > 6 else ()):
-                self.runtime.control.check_installed(names)
-        opened, outputs = [], {}
+                unknown = sorted(set(names) - set(installed))
+                if unknown:
+                    raise KeyError(f"no app named {unknown[0]!r} is installed; installed: {sorted(installed)}")
+        pass_ids = self.runtime.begin_passes([
+            ([len(r) for r in rows], offsets, (prompt.padded_len, prompt.ops),
+             (step.padded_len, step.ops) if step is not None else None) for rows, offsets, prompt, step, *_ in jobs])
+        names = [[f"xmix-{pass_id}-{row}" for row in range(len(job[0]))] for pass_id, job in zip(pass_ids, jobs)]
+        routes, selections, outputs = {}, {}, {}
         self.last_run_stats = {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0}
         try:
-            for rows, offsets, prompt, step, max_new_tokens, sampling, *selection in jobs:
+            for pass_id, pass_names, (rows, offsets, prompt, step, max_new_tokens, sampling, *selection) in zip(
+                    pass_ids, names, jobs):
                 row_apps = selection[0] if selection else [()] * len(rows)
-                p = self.runtime.open_pass([len(r) for r in rows], offsets, (prompt.padded_len, prompt.ops),
-                                           (step.padded_len, step.ops) if step is not None else None)
                 params = SamplingParams(max_tokens=max_new_tokens, detokenize=False, **{"temperature": 0.0, **sampling})
                 salt = _cache_salt(prompt, step)
-                names = [f"xmix-{p.pass_id}-{row}" for row in range(len(rows))]
-                opened.append((p, names, prompt, step))
                 for row, toks in enumerate(rows):
-                    row_salt = _app_salt(self.runtime.control, row_apps[row], salt)
+                    row_salt = _app_salt(installed, row_apps[row], salt)
                     # vLLM makes the id unique (a suffix); the model runner sees that one
-                    internal = engine.add_request(names[row], TokensPrompt(prompt_token_ids=toks, cache_salt=row_salt),
-                                                  params)
-                    p.rows[internal] = row
+                    internal = engine.add_request(pass_names[row],
+                                                  TokensPrompt(prompt_token_ids=toks, cache_salt=row_salt), params)
+                    routes[internal] = (pass_id, row)
                     if row_apps[row]:
-                        self.runtime.control.select(internal, row_apps[row])
+                        selections[internal] = tuple(row_apps[row])
+            # one call before the first step (one RPC under TP): where each request's tokens belong
+            self.runtime.route(routes, selections)
             while engine.has_unfinished_requests():
                 for out in engine.step():
                     if out.finished:
@@ -471,21 +485,14 @@ class HookedServedModel:
                         self.last_run_stats["prompt_tokens"] += len(out.prompt_token_ids or ())
                         self.last_run_stats["cached_tokens"] += out.num_cached_tokens or 0
         finally:
-            control = self.runtime.control
-            control.drain()
-            for p, names, _, _ in opened:
-                p.app_results = [control.take_results(internal) for internal in sorted(p.rows, key=p.rows.get)]
-                for internal in p.rows:
-                    control.forget(internal)
-                self.runtime.close_pass(p)
-            if len(outputs) < sum(len(names) for _, names, _, _ in opened):  # stopped by an error
-                for _, names, _, _ in opened:
-                    engine.abort_request([n for n in names if n not in outputs])
+            if len(outputs) < sum(map(len, names)):  # stopped by an error
+                engine.abort_request([n for pass_names in names for n in pass_names if n not in outputs])
+            finished = self.runtime.finish_passes(pass_ids, list(routes))
         results = []
-        for p, names, prompt, step in opened:
+        for p, pass_names, (_, _, prompt, step, *_) in zip(finished, names, jobs):
             for key, proxy in prompt.kept + (step.kept if step is not None else []):
                 torch.utils.swap_tensors(proxy, p.result(key).to(self.cfg.dtype))
-            results.append((p, [outputs[name] for name in names]))
+            results.append((p, [outputs[name] for name in pass_names]))
         return results
 
     # --- apps (xmix_lens/app.py) ---
@@ -570,15 +577,26 @@ def _cache_salt(prompt: "TracedHooks", step: "TracedHooks | None") -> str | None
     return digest.hexdigest()
 
 
-def _app_salt(control, names, salt: str | None) -> str | None:
+def _check_tensor_parallel(cfg, engine_kwargs: dict) -> None:
+    """Refused before an engine is built: parallel layouts whose sites the runtime does not place."""
+    if engine_kwargs.get("pipeline_parallel_size", 1) != 1:
+        raise ValueError("pipeline_parallel_size > 1 is not supported: a rank would hold some layers' hook "
+                         "points only; use tensor_parallel_size")
+    world = engine_kwargs.get("tensor_parallel_size", 1)
+    if world > 1 and cfg.n_heads % world:
+        raise ValueError(f"tensor_parallel_size={world} does not divide the model's {cfg.n_heads} attention "
+                         "heads; vLLM shards heads evenly: choose a divisor")
+
+
+def _app_salt(installed: dict, names, salt: str | None) -> str | None:
     """A request's prefix-cache salt with its installed apps: KV computed under an app's writes serves
     only requests whose apps do the same (a digest of their ops: new parameters, or another app
     reinstalled under the name, get other blocks); an app that reads needs every position
     computed, so nothing is reused."""
     if not names:
         return salt
-    apps = [control.apps[n] for n in sorted(names)]
-    if any(op.ring is not None for app in apps for op in app.ops):
+    apps = [installed[n] for n in sorted(names)]
+    if any(app.reads for app in apps):
         return uuid.uuid4().hex
     return hashlib.sha256(repr((salt, [a.digest for a in apps])).encode()).hexdigest()
 

@@ -4,25 +4,45 @@ import dataclasses
 from vllm.forward_context import get_forward_context, is_forward_context_available
 
 
-def in_process_runner(llm):
-    """The model runner of an `LLM` built in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+def _executor(llm):
     try:
-        core = llm.llm_engine.engine_core.engine_core
+        return llm.llm_engine.engine_core.engine_core.model_executor
     except AttributeError as e:
         raise RuntimeError(
-            "xmix-lens needs vLLM's in-process engine: set VLLM_ENABLE_V1_MULTIPROCESSING=0 "
+            "xmix-lens needs vLLM's in-process engine core: set VLLM_ENABLE_V1_MULTIPROCESSING=0 "
             "before vLLM is imported (importing xmix_lens first sets it)") from e
-    return core.model_executor.driver_worker.worker.model_runner
+
+
+def in_process_runner(llm):
+    """The model runner of an `LLM` whose model lives in this process (one rank), else None."""
+    worker = getattr(_executor(llm), "driver_worker", None)
+    return worker.worker.model_runner if worker is not None else None
 
 
 def bind(llm):
-    """The in-process model runner of an `LLM`, with the model's site runtime attached to it."""
+    """The engine's site runtime: the model's own when it lives in this process, else (tensor
+    parallelism: the model lives in vLLM's worker processes) a handle that calls the workers'
+    runtimes by collective RPC. Returns (runner or None, runtime)."""
     runner = in_process_runner(llm)
+    if runner is None:
+        from .remote import RemoteRuntime
+        llm.collective_rpc(bind_worker)
+        return None, RemoteRuntime(llm)
+    return runner, bind_runner(runner)
+
+
+def bind_runner(runner):
+    """The model's site runtime, attached to its model runner (this process's, or a worker's)."""
     runtime = runner.model.xmix_runtime
     runtime.model_runner = runner
     if not hasattr(runner, "input_batch") and not hasattr(runner, "xmix_input_batch"):
         _hook_gpu_runner(runner, runtime)
-    return runner, runtime
+    return runtime
+
+
+def bind_worker(worker) -> None:
+    """Run in each worker of a TP engine (by collective RPC)."""
+    bind_runner(worker.model_runner)
 
 
 def _hook_gpu_runner(runner, runtime) -> None:

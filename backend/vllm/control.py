@@ -34,6 +34,8 @@ import torch
 
 from xmix_lens.lowered import AffineWrite, GeneratedRead, GeneratedWrite, LoweredOp, Read, op_digest, to_device
 
+from .sharding import Placed, on_site
+
 MAX_RESIDENT_OPS = 64
 RING_DEPTH = 2
 ROWS, DEST = 0, 1
@@ -47,6 +49,17 @@ class ResidentOp:
     op: LoweredOp
     ring: torch.Tensor | None = None  # reads: [RING_DEPTH * max_tokens, width] fp32
     captured: bool = False  # launched while a CUDA graph was being captured
+    placed: Placed | None = None  # at a sharded site of a TP engine: how this rank runs it
+
+
+@dataclass(frozen=True)
+class AppInfo:
+    """What the driver needs of an installed app (and can be sent back from a TP engine's workers)."""
+
+    name: str
+    digest: bytes  # of what its ops do now: the prefix-cache salt of requests that select it
+    reads: bool  # whether it reads: its requests must compute every position (no prefix-cache reuse)
+    version: int
 
 
 @dataclass
@@ -62,6 +75,9 @@ class ResidentApp:
         for entry in self.ops:
             h.update(op_digest(entry.op))
         self.digest = h.digest()
+
+    def info(self) -> AppInfo:
+        return AppInfo(self.name, self.digest, any(op.ring is not None for op in self.ops), self.version)
 
 
 @dataclass
@@ -88,6 +104,8 @@ class ControlPlane:
     defaults: frozenset = frozenset()  # the apps of requests that chose none (e.g. sent to vLLM directly)
     results: dict[str, dict] = field(default_factory=dict)  # request id -> (app, read key) -> [(pos, values)]
     step_count: int = 0
+    comm: object = None  # a TP engine's collectives (sharding.TPCollectives), for ops placed as a gather
+    delivers: bool = True  # whether this rank sends reads home (TP: rank 0 only)
 
     def __post_init__(self):
         pin = self.device.type == "cuda"
@@ -119,9 +137,10 @@ class ControlPlane:
         resident = []
         for site, ops in ops_by_site.items():
             for op in ops:
+                op, placed = _unplaced(op)
                 if isinstance(op, Read) and op.W is not None and op.bias is None:
                     op = replace(op, bias=torch.zeros(op.W.shape[1]))  # allocated once, not per launch
-                entry = ResidentOp(name, site, len(self.ops), to_device(op, self.device))
+                entry = ResidentOp(name, site, len(self.ops), to_device(op, self.device), placed=placed)
                 if isinstance(op, (Read, GeneratedRead)):
                     width = int(np.prod(op.feature_shape, dtype=np.int64))
                     entry.ring = torch.zeros(RING_DEPTH * self.max_tokens, width, device=self.device)
@@ -136,12 +155,13 @@ class ControlPlane:
     def set_params(self, name: str, ops_by_site: dict[int, list[LoweredOp]]) -> int:
         """New tensors for an installed app's ops, copied in place: same structure, same addresses."""
         app = self._app(name)
-        new = [op for site in ops_by_site for op in ops_by_site[site]]
-        if [(o.site, _structure(o.op)) for o in app.ops] != [
-                (site, _structure(op)) for site in ops_by_site for op in ops_by_site[site]]:
+        new = [_unplaced(op) for site in ops_by_site for op in ops_by_site[site]]
+        if [(o.site, _structure(o.op), o.placed and o.placed.kind) for o in app.ops] != [
+                (site, _structure(op), placed and placed.kind) for site in ops_by_site
+                for op, placed in map(_unplaced, ops_by_site[site])]:
             raise ValueError(f"the new parameters of {name!r} change what its hooks do, not only their values; "
                              "install it as a new app instead")
-        for entry, op in zip(app.ops, new):
+        for entry, (op, _) in zip(app.ops, new):
             for old, value in zip(_tensors(entry.op), _tensors(op)):
                 old.copy_(value)
         app.version += 1
@@ -242,7 +262,7 @@ class ControlPlane:
         if self._pin:
             self._staged_events[slot] = torch.cuda.Event()
             self._staged_events[slot].record()
-        if live:
+        if live and self.delivers:
             self.ring_positions[slot, :n_tokens].copy_(positions[:n_tokens], non_blocking=True)
             self._pending.append(_Step(slot, n_tokens, list(req_ids), query_start, live))
 
@@ -261,19 +281,20 @@ class ControlPlane:
         for entry in ops:
             entry.captured |= capturing
             rows, op = self.control[entry.index, ROWS, :T], entry.op
-            if isinstance(op, AffineWrite):
-                zeros = self.zeros[:T]
-                impl.affine_write(x, rows, op.scale[None], zeros, op.bias[None], zeros, op.U, op.V)
-            elif isinstance(op, GeneratedWrite):
-                impl.run_program(x, rows, op.program, self.zeros[:T])
-            else:
-                dest = self.control[entry.index, DEST, :T]
-                if isinstance(op, GeneratedRead):
-                    impl.run_program(x, rows, op.program, self.zeros[:T], entry.ring, dest)
-                elif op.W is None:
-                    impl.gather_rows(x, rows, entry.ring, dest)
+            with on_site(entry.placed, x, self.comm) as x_op:  # a gather plan: the whole row
+                if isinstance(op, AffineWrite):
+                    zeros = self.zeros[:T]
+                    impl.affine_write(x_op, rows, op.scale[None], zeros, op.bias[None], zeros, op.U, op.V)
+                elif isinstance(op, GeneratedWrite):
+                    impl.run_program(x_op, rows, op.program, self.zeros[:T])
                 else:
-                    impl.project_read(x, rows, op.W, op.bias, entry.ring, dest)
+                    dest = self.control[entry.index, DEST, :T]
+                    if isinstance(op, GeneratedRead):
+                        impl.run_program(x_op, rows, op.program, self.zeros[:T], entry.ring, dest)
+                    elif op.W is None:
+                        impl.gather_rows(x_op, rows, entry.ring, dest)
+                    else:
+                        impl.project_read(x_op, rows, op.W, op.bias, entry.ring, dest)
 
     # --- the messenger ----------------------------------------------------------------------------
     def _queue_home(self) -> None:
@@ -327,8 +348,13 @@ def check_resident(app: str, ops_by_key: dict) -> None:
             _check_resident(app, op)
 
 
+def _unplaced(op) -> tuple[LoweredOp, Placed | None]:
+    return (op.op, op) if isinstance(op, Placed) else (op, None)
+
+
 def _check_resident(app: str, op: LoweredOp) -> None:
     """A resident op runs on every token of the requests that select it: it must be per token."""
+    op, _ = _unplaced(op)
     if op.positions is not None:
         raise ValueError(f"app {app!r}: a hook selects positions; an installed app's hooks run on every "
                          "token (write act + v, not act[:, -1] += v; read per token, reduce on the host)")

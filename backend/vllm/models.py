@@ -3,14 +3,18 @@
 Each subclass builds vLLM's model unchanged, then installs the armed sites (see sites.py) and
 tells the site runtime where each token of a step belongs before the forward runs. Which sites
 are armed comes from the engine's `additional_config={"xmix_lens": {"armed": [...] | "all"}}`;
-with no such entry nothing is armed and the model runs as vLLM's own.
+with no such entry nothing is armed and the model runs as vLLM's own. `"apps_file"` names lowered
+apps to install as the model is built (before CUDA-graph capture), written by the driver: a file,
+because a TP engine builds its model in worker processes.
 """
 import torch
+from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from vllm.model_executor.models.gpt2 import GPT2LMHeadModel
 from vllm.model_executor.models.llama import LlamaForCausalLM
 
 from .runtime import SiteRuntime
-from .sites import install_sites, site_names
+from .sharding import is_sharded
+from .sites import feature_shape, install_sites, site_names
 
 
 def _xmix_config(vllm_config) -> dict:
@@ -30,15 +34,34 @@ def _max_step_tokens(vllm_config) -> int:
     return max(vllm_config.scheduler_config.max_num_batched_tokens, max(captured))
 
 
+def _shard_widths(family: str, names: list[str], hf_config, world: int) -> dict[str, int | None]:
+    """The whole width of each site vLLM splits over TP ranks; None where it does not split the
+    site in blocks (KV heads fewer than ranks are replicated, not split)."""
+    n_kv = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+    widths = {}
+    for name in filter(is_sharded, names):
+        F = 1
+        for d in feature_shape(family, name, hf_config):
+            F *= d
+        kv = name.endswith(("attn.hook_k", "attn.hook_v"))
+        widths[name] = None if kv and n_kv % world else F
+    return widths
+
+
 class _Instrumented:
     family: str
 
     def _install(self, vllm_config) -> None:
-        n_layers = vllm_config.model_config.hf_config.num_hidden_layers
+        hf_config = vllm_config.model_config.hf_config
+        n_layers = hf_config.num_hidden_layers
         armed = armed_sites(vllm_config, self.family, n_layers)
         names = install_sites(self, self.family, n_layers, armed)
+        apps_file = _xmix_config(vllm_config).get("apps_file")
+        apps = torch.load(apps_file, weights_only=False) if apps_file else []
+        world = get_tensor_model_parallel_world_size()
         self.xmix_runtime = SiteRuntime(self.family, names, armed, torch.device(vllm_config.device_config.device),
-                                        _max_step_tokens(vllm_config), _xmix_config(vllm_config).get("apps_key"))
+                                        _max_step_tokens(vllm_config), apps, get_tensor_model_parallel_rank(),
+                                        world, _shard_widths(self.family, names, hf_config, world))
 
     def forward(self, input_ids, positions, *args, **kwargs):
         self.xmix_runtime.begin_step(positions)

@@ -9,6 +9,10 @@ the active one, so several in-process engines can live side by side):
     position), from vLLM's request order and query offsets and the model's `positions` input.
   - reads: values a site reads land in the pass's host tensors at (row, padded position).
 Sites with no op this step return at once.
+
+Under tensor parallelism each worker runs its own runtime over its shard of the sharded sites
+(sharding.py places each op for the rank); the driver calls the methods under "what the driver
+calls" directly (one process) or as collective RPCs (remote.py), and rank 0 answers.
 """
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -18,8 +22,8 @@ import torch
 from xmix_lens import kernels
 from xmix_lens.lowered import AffineWrite, GeneratedRead, GeneratedWrite, LoweredOp, Read, to_device
 
-from . import adapter
-from .control import ControlPlane
+from . import adapter, sharding
+from .control import AppInfo, ControlPlane
 
 
 @dataclass
@@ -43,7 +47,6 @@ class Pass:
     rows: dict[str, int] = field(default_factory=dict)  # vLLM request id -> batch row
     reads: dict[object, torch.Tensor] = field(default_factory=dict)  # read key -> host tensor [B, P, ...]
     read_ops: dict[object, LoweredOp] = field(default_factory=dict)
-    app_results: list[dict] = field(default_factory=list)  # per row: what its installed apps read
 
     def phases(self):
         return [(False, self.prefill)] + ([(True, self.decode)] if self.decode is not None else [])
@@ -52,6 +55,18 @@ class Pass:
         """A read's value in its traced shape: [B, P, ...], [B, L, ...] for a position slice, or [B, ...]."""
         op, value = self.read_ops[key], self.reads[key]
         return value[:, op.positions] if op.keeps_pos and op.positions is not None else value
+
+
+@dataclass
+class PassResults:
+    """What a finished pass read, on the host: each read key's value in its traced shape, and per
+    row (by `row` order) what the row's installed apps read: (app, read key) -> (positions, values)."""
+
+    values: dict[object, torch.Tensor]
+    app_results: list[dict]
+
+    def result(self, key) -> torch.Tensor:
+        return self.values[key]
 
 
 @dataclass
@@ -64,18 +79,24 @@ class StepTokens:
 
 class SiteRuntime:
     def __init__(self, family: str, site_names: list[str], armed: set[str], device: torch.device,
-                 max_tokens: int, apps_key: str | None = None) -> None:
+                 max_tokens: int, apps: list = (), tp_rank: int = 0, tp_world: int = 1,
+                 shard_widths: dict[str, int | None] | None = None) -> None:
         self.family, self.site_names, self.armed = family, site_names, armed
         self.site_id = {name: i for i, name in enumerate(site_names)}
         self.model_runner = None  # bound by the facade: where the step's request order comes from
         self.device = device  # the engine's device, where lowered ops' tensors go
-        # installed apps: resident ops, graph-safe (control.py)
-        self.control = ControlPlane(device, max_tokens)
+        # tensor parallelism: this worker's rank, and the whole width of each sharded site (None:
+        # a site vLLM does not split in blocks, e.g. KV heads replicated over more ranks than heads)
+        self.tp_rank, self.tp_world = tp_rank, tp_world
+        self.shard_widths = {self.site_id[n]: F for n, F in (shard_widths or {}).items()} if tp_world > 1 else {}
+        self.comm = sharding.TPCollectives() if tp_world > 1 else None
+        # installed apps: resident ops, graph-safe (control.py); rank 0 alone delivers reads
+        self.control = ControlPlane(device, max_tokens, comm=self.comm, delivers=tp_rank == 0)
         # whether the model runner prepares the control plane before each step (vLLM 0.26's GPU
         # runner, where a replayed CUDA graph skips the model's forward); else the forward does
         self.runner_prepares_steps = False
         self.eager_steps = 0  # steps run without CUDA graphs because their sites must run Python
-        for name, ops_by_hook_point in PENDING_APPS.pop(apps_key, []):
+        for name, ops_by_hook_point in apps:
             self.install_app(name, ops_by_hook_point)
         self.passes: dict[int, Pass] = {}
         self.step: StepTokens | None = None
@@ -84,15 +105,83 @@ class SiteRuntime:
         # step, so that the isolation test can show it catches misrouting
         self.routing_shift = 0
 
-    # --- installed apps (between steps) -----------------------------------------------------------
-    def install_app(self, name: str, ops_by_hook_point: dict[str, list[LoweredOp]]):
+    # --- what the driver calls (between steps) ---------------------------------------------------
+    def install_app(self, name: str, ops_by_hook_point: dict[str, list[LoweredOp]]) -> AppInfo:
         unarmed = sorted(set(ops_by_hook_point) - self.armed)
         if unarmed:
             raise RuntimeError(f"hook points not armed in this engine: {unarmed}")
-        return self.control.install(name, {self.site_id[n]: ops for n, ops in ops_by_hook_point.items()})
+        return self.control.install(name, self._place_all(ops_by_hook_point, resident=True)).info()
 
-    def set_app_params(self, name: str, ops_by_hook_point: dict[str, list[LoweredOp]]) -> int:
-        return self.control.set_params(name, {self.site_id[n]: ops for n, ops in ops_by_hook_point.items()})
+    def set_app_params(self, name: str, ops_by_hook_point: dict[str, list[LoweredOp]]) -> AppInfo:
+        self.control.set_params(name, self._place_all(ops_by_hook_point, resident=True))
+        return self.control.apps[name].info()
+
+    def uninstall_app(self, name: str) -> None:
+        self.control.uninstall(name)
+
+    def set_default_apps(self, names) -> None:
+        """The apps of requests that chose none (requests sent to vLLM directly, e.g. a server's)."""
+        self.control.set_defaults(names)
+
+    def clear_results(self) -> None:
+        """Drop the filed reads of requests that no call collects (sent to vLLM directly)."""
+        self.control.drain()
+        self.control.results.clear()
+
+    @property
+    def installed(self) -> dict[str, AppInfo]:
+        return {name: app.info() for name, app in self.control.apps.items()}
+
+    def begin_passes(self, specs: list[tuple]) -> list[int]:
+        """Open one pass per spec (prompt lengths, pad offsets, prefill, decode): their ids."""
+        opened = []
+        try:
+            for spec in specs:
+                opened.append(self.open_pass(*spec).pass_id)
+        except Exception:
+            for pass_id in opened:
+                self.passes.pop(pass_id)
+            raise
+        return opened
+
+    def route(self, rows: dict[str, tuple[int, int]], selections: dict[str, tuple]) -> None:
+        """Where each vLLM request id belongs, (pass id, row), and the installed apps it selects."""
+        self.control.check_installed({name for names in selections.values() for name in names})
+        for req_id, (pass_id, row) in rows.items():
+            self.passes[pass_id].rows[req_id] = row
+        for req_id, names in selections.items():
+            self.control.select(req_id, names)
+
+    def finish_passes(self, pass_ids: list[int], req_ids: list[str]) -> list[PassResults]:
+        """Close the passes once their requests are done (or aborted): what each read."""
+        self.control.drain()
+        finished = []
+        for pass_id in pass_ids:
+            p = self.passes.pop(pass_id)
+            in_order = sorted(p.rows, key=p.rows.get)
+            finished.append(PassResults({key: p.result(key) for key in p.read_ops},
+                                        [self.control.take_results(r) for r in in_order]))
+        for req_id in req_ids:
+            self.control.forget(req_id)
+        return finished
+
+    # --- placing ops on this rank ---------------------------------------------------------------
+    def _place_all(self, ops_by_hook_point: dict[str, list[LoweredOp]], resident: bool = False) -> dict[int, list]:
+        moved = _stores_to(self.device, [op for ops in ops_by_hook_point.values() for op in ops])
+        return {self.site_id[n]: [self._place(self.site_id[n], op, moved, resident) for op in ops]
+                for n, ops in ops_by_hook_point.items()}
+
+    def _place(self, site_id: int, op: LoweredOp, moved: dict, resident: bool):
+        """The op on the engine's device; at a sharded site of a TP engine, this rank's part of it."""
+        if site_id not in self.shard_widths:
+            return to_device(op, self.device, moved)
+        F = self.shard_widths[site_id]
+        if F is None:
+            raise ValueError(f"{self.site_names[site_id]}: vLLM replicates this engine's KV heads over its "
+                             f"{self.tp_world} ranks, so the site is not split in blocks; hook it with "
+                             "tensor_parallel_size at most the number of KV heads")
+        placed = sharding.place(op, F, self.tp_rank, self.tp_world, resident)
+        return sharding.Placed(placed.kind, to_device(placed.op, self.device, moved), placed.block)
 
     # --- passes (between steps) ----------------------------------------------------------------
     def open_pass(self, prompt_lens: list[int], pad_offsets: list[int], prefill: tuple[int, dict],
@@ -102,14 +191,14 @@ class SiteRuntime:
         unarmed = sorted({name for _, ops in phases for name in ops} - self.armed)
         if unarmed:
             raise RuntimeError(f"hook points not armed in this engine: {unarmed}")
-        by_site = [Phase(P, {self.site_id[n]: [to_device(op, self.device) for op in o] for n, o in ops.items()})
-                   for P, ops in phases]
+        by_site = [Phase(P, self._place_all(ops)) for P, ops in phases]
         p = Pass(self._next_pass_id, len(prompt_lens), by_site[0], by_site[1] if decode else None,
                  list(prompt_lens), list(pad_offsets))
         self._next_pass_id += 1
         for _, phase in p.phases():
             for site_ops in phase.ops.values():
                 for op in site_ops:
+                    op = op.op if isinstance(op, sharding.Placed) else op
                     if isinstance(op, (Read, GeneratedRead)) and op.store is None:
                         lead = (p.batch, phase.padded_len) if op.keeps_pos else (p.batch,)
                         p.reads[op.key] = torch.zeros(*lead, *op.feature_shape, dtype=torch.float32)
@@ -178,7 +267,10 @@ class SiteRuntime:
             chosen &= positions[step.padded_pos.clamp(max=phase.padded_len - 1)]
         return chosen.nonzero().flatten()
 
-    def _run_op(self, x: torch.Tensor, p: Pass, decode: bool, phase: Phase, op: LoweredOp) -> None:
+    def _run_op(self, x: torch.Tensor, p: Pass, decode: bool, phase: Phase, op) -> None:
+        placed = op if isinstance(op, sharding.Placed) else None
+        op = placed.op if placed is not None else op
+        # the same tokens on every rank: a collective below is called by all ranks or by none
         tokens = self._selected(p, decode, phase, op.positions)
         if tokens.numel() == 0:
             return
@@ -186,14 +278,18 @@ class SiteRuntime:
         flat_index = (self.step.row[tokens] * phase.padded_len + self.step.padded_pos[tokens]).int().to(x.device)
         rows = tokens.int().to(x.device)
         impl = _TRITON if x.is_cuda else _TORCH
-        if isinstance(op, AffineWrite):
-            bias = op.bias.reshape(-1, op.bias.shape[-1]) if op.per_token_bias else op.bias[None]
-            bias_idx = flat_index if op.per_token_bias else torch.zeros_like(rows)
-            impl.affine_write(x, rows, op.scale[None], torch.zeros_like(rows), bias, bias_idx, op.U, op.V)
-        elif isinstance(op, GeneratedWrite):
-            impl.run_program(x, rows, op.program, flat_index)
-        else:
-            self._deliver(p, phase, op, tokens, self._read(x, op, rows, flat_index, impl))
+        with sharding.on_site(placed, x, self.comm) as x:
+            if isinstance(op, AffineWrite):
+                bias = op.bias.reshape(-1, op.bias.shape[-1]) if op.per_token_bias else op.bias[None]
+                bias_idx = flat_index if op.per_token_bias else torch.zeros_like(rows)
+                impl.affine_write(x, rows, op.scale[None], torch.zeros_like(rows), bias, bias_idx, op.U, op.V)
+            elif isinstance(op, GeneratedWrite):
+                impl.run_program(x, rows, op.program, flat_index)
+            else:
+                values = self._read(x, op, rows, flat_index, impl)
+                if placed is not None and placed.kind == "reduce":
+                    values = self.comm.all_reduce(values)
+                self._deliver(p, phase, op, tokens, values)
 
     @staticmethod
     def _read(x, op, rows, flat_index, impl) -> torch.Tensor:
@@ -216,6 +312,8 @@ class SiteRuntime:
         if op.store is not None:  # stays on the device, for later hook points
             device = op.store.buffer.device
             _put(op.store, rows.to(device), self.step.padded_pos[tokens].to(device), values)
+            return
+        if self.tp_rank != 0:  # every rank holds the value; rank 0 alone sends it home
             return
         values = values.cpu()  # the messenger: a read goes to the host
         target = p.reads[op.key]
@@ -251,6 +349,22 @@ def _put(spec, rows: torch.Tensor, positions: torch.Tensor, values: torch.Tensor
     spec.row_buffer[touched] = per_request[:, None, :]  # and for the request's generated tokens
 
 
+def _stores_to(device, ops: list[LoweredOp]) -> dict:
+    """Move the stores of ops that arrived from another process (a TP engine's driver allocates them
+    on the host) to the engine's device; the moved tensors, by id of the host tensor, so that a
+    program reading a store as a table reads the same device tensor its producer writes."""
+    moved = {}
+    for op in ops:
+        spec = getattr(op, "store", None)
+        if spec is None or spec.buffer.device.type == torch.device(device).type:
+            continue
+        for name in ("buffer", "row_buffer", "per_token", "written"):
+            t = getattr(spec, name)
+            if t is not None:
+                setattr(spec, name, moved.setdefault(id(t), t.to(device)))
+    return moved
+
+
 def _numel(shape) -> int:
     n = 1
     for s in shape:
@@ -263,10 +377,6 @@ _TRITON = SimpleNamespace(affine_write=kernels.affine_write, gather_rows=kernels
                           project_read=kernels.project_read, run_program=kernels.run_program)
 _TORCH = SimpleNamespace(affine_write=kernels.affine_write_torch, gather_rows=kernels.gather_rows_torch,
                          project_read=kernels.project_read_torch, run_program=kernels.run_program_torch)
-
-# Apps to install when the engine's model is built, before it captures CUDA graphs, keyed by the
-# `apps_key` of the engine's additional_config, so that the engine being built finds its own.
-PENDING_APPS: dict[str, list] = {}
 
 _active: SiteRuntime | None = None  # the runtime of the engine whose forward is running
 

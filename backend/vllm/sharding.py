@@ -8,16 +8,20 @@ vLLM's tensor parallelism (TP = world ranks) shards some sites' features and rep
 At a replicated site every rank runs the op unchanged (writes land identically on every rank) and
 only rank 0 delivers reads. At a sharded site an op is split by `plan`:
   local       the op maps each shard to itself: rank r runs it on its block with its block of every
-              parameter (a head selection, steering, scaling, an elementwise program)
-  reduce      a read or low-rank term that sums over features (x @ W, x @ U): each rank computes the
-              partial sum over its block, the ranks sum them (all-reduce), then each applies its block
-  gather      anything else (a program with a reduction, softmax, matmul or top-k over the row): the
-              ranks gather the whole row, run the op, and each keeps its block
+              parameter (a head selection, steering, scaling, an elementwise program, a low-rank
+              term inside one block)
+  reduce      a projection read (x @ W): each rank computes the partial sum over its block, an
+              all-reduce sums them (rank 0 alone adds the bias)
+  gather      anything else (a low-rank term across blocks, a program with a reduction, softmax,
+              matmul or top-k over the row, an identity read): the ranks gather the whole row, run
+              the op, and each keeps its block
 
-`run_sharded` applies a plan to per-rank shards with the collectives done in torch (sums and
-concatenations over the list of shards): the simulation the CPU tests use, and the reference the
-engine's multi-GPU path must match.
+`place` turns an op into what one rank of an engine runs (`Placed`); the site runtime and the
+control plane run it with `on_site` and the engine's collectives (`TPCollectives`). `run_sharded`
+runs a plan over a list of shards, the collectives done in torch: the CPU simulation of the same
+plans, against the op on the whole site.
 """
+import contextlib
 from dataclasses import dataclass, replace
 
 import torch
@@ -52,13 +56,10 @@ def plan(op: LoweredOp, F: int, world: int) -> ShardPlan:
     """How `op`, lowered for the whole site of F features, runs when F is split over `world` ranks."""
     if F % world:
         raise ValueError(f"a site of {F} features does not split over {world} ranks")
-    if getattr(op, "positions", None) is not None or isinstance(op, AffineWrite) and op.per_token_bias:
-        raise NotImplementedError("planned for per-token ops at every position (what installed apps run); "
-                                  "position selections and per-token tables are not planned under TP yet")
     if isinstance(op, AffineWrite):
         low_rank_local = op.U.shape[1] == 0 or all(_within_one_block(op.U[:, k], op.V[k], world)
                                                   for k in range(op.U.shape[1]))
-        return ShardPlan("local" if low_rank_local else "reduce", op, world)
+        return ShardPlan("local" if low_rank_local else "gather", op, world)
     if isinstance(op, Read):
         return ShardPlan("gather" if op.W is None else "reduce", op, world)
     program: TokenProgram = op.program
@@ -72,30 +73,17 @@ def _within_one_block(u: torch.Tensor, v: torch.Tensor, world: int) -> bool:
     return int(used.sum()) <= 1
 
 
-def run_sharded(p: ShardPlan, shards: list[torch.Tensor]) -> torch.Tensor | None:
-    """Apply the plan to the ranks' shards [T, F / world] (writes in place); a read's value, once."""
-    op, F = p.op, sum(s.shape[1] for s in shards)
-    rows = torch.arange(shards[0].shape[0], dtype=torch.int32)
-    blocks = [p.block(r, F) for r in range(p.world)]
+def for_rank(p: ShardPlan, F: int, rank: int) -> LoweredOp:
+    """The op rank `rank` runs: its block of a local or reduce plan, the whole op of a gather plan."""
+    op, b = p.op, p.block(rank, F)
     if p.kind == "gather":
-        whole = torch.cat(shards, dim=1)
-        value = _run_whole(op, whole, rows)
-        for shard, b in zip(shards, blocks):
-            shard.copy_(whole[:, b])
-        return value
-    if isinstance(op, Read):  # reduce: partial projections, summed over ranks
-        partial = sum(s.float() @ op.W[b] for s, b in zip(shards, blocks))
-        return partial + (op.bias if op.bias is not None else 0)
+        return op
     if isinstance(op, AffineWrite):
-        partials = [s.float() @ op.U[b] for s, b in zip(shards, blocks)]
-        total = sum(partials)  # the all-reduce a "reduce" plan needs
-        for s, b, partial in zip(shards, blocks, partials):
-            low_rank = total if p.kind == "reduce" else partial
-            s.copy_((s.float() * op.scale[b] + op.bias[b] + low_rank @ op.V[:, b]).to(s.dtype))
-        return None
-    for s, b in zip(shards, blocks):  # a local (elementwise) program on each block
-        kernels.run_program_torch(s, rows, _block_program(op.program, b, F), None)
-    return None
+        return replace(op, scale=op.scale[b], bias=op.bias[..., b], U=op.U[b], V=op.V[:, b])
+    if isinstance(op, Read):  # reduce: a partial projection; the bias is added once, by rank 0
+        bias = op.bias if op.bias is None or rank == 0 else torch.zeros_like(op.bias)
+        return replace(op, W=op.W[b], bias=bias)
+    return replace(op, program=_block_program(op.program, b, F))
 
 
 def _block_program(program: TokenProgram, b: slice, F: int) -> TokenProgram:
@@ -106,14 +94,89 @@ def _block_program(program: TokenProgram, b: slice, F: int) -> TokenProgram:
     return TokenProgram(ops, consts, program.output)
 
 
-def _run_whole(op: LoweredOp, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:
+# --- in an engine: one rank's view ---------------------------------------------------------------
+@dataclass
+class Placed:
+    """An op at a sharded site of a TP engine, as one rank runs it."""
+
+    kind: str
+    op: LoweredOp  # on the rank's block (local, reduce) or on the gathered row (gather)
+    block: slice  # the rank's features of the whole row
+
+    @property
+    def positions(self):
+        return self.op.positions
+
+
+def place(op: LoweredOp, F: int, rank: int, world: int, resident: bool = False) -> Placed:
+    """What rank `rank` runs for `op` at a sharded site of F features. A resident read runs as a
+    gather: it fills its ring by token rows, and a ring slot's rows are not known on the host when
+    a CUDA graph replays, so its partial sums cannot be all-reduced in place."""
+    p = plan(op, F, world)
+    if resident and p.kind == "reduce":
+        p = replace(p, kind="gather")
+    return Placed(p.kind, for_rank(p, F, rank), p.block(rank, F))
+
+
+class TPCollectives:
+    """The engine's tensor-parallel group (vLLM's: NCCL or custom all-reduce on GPUs, gloo/shm on CPUs)."""
+
+    def __init__(self):
+        from vllm.distributed.parallel_state import get_tp_group
+        self.group = get_tp_group()
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.all_gather(x.contiguous(), -1)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.all_reduce(x)
+
+
+@contextlib.contextmanager
+def on_site(placed: Placed | None, x: torch.Tensor, comm):
+    """The tensor an op runs on: x (a replicated site, or the rank's block), or for a gather plan the
+    whole row, gathered from every rank and written back to this rank's block afterwards."""
+    if placed is None or placed.kind != "gather":
+        yield x
+        return
+    whole = comm.all_gather(x)
+    yield whole
+    if isinstance(placed.op, (AffineWrite, GeneratedWrite)):
+        x.copy_(whole[:, placed.block])
+
+
+# --- the CPU simulation ----------------------------------------------------------------------------
+def run_sharded(p: ShardPlan, shards: list[torch.Tensor]) -> torch.Tensor | None:
+    """Apply the plan to the ranks' shards [T, F / world] (writes in place); a read's value, once."""
+    F = sum(s.shape[1] for s in shards)
+    rows = torch.arange(shards[0].shape[0], dtype=torch.int32)
+    if p.kind == "gather":
+        whole = torch.cat(shards, dim=1)
+        value = _run(p.op, whole, rows)
+        for rank, shard in enumerate(shards):
+            shard.copy_(whole[:, p.block(rank, F)])
+        return value
+    values = [_run(for_rank(p, F, rank), shard, rows) for rank, shard in enumerate(shards)]
+    return sum(values) if p.kind == "reduce" else None  # the all-reduce a reduce plan needs
+
+
+def _run(op: LoweredOp, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:
+    """The op on every token of x (the torch twins of the kernels); a read's value."""
+    zeros = torch.zeros_like(rows)
+    if isinstance(op, AffineWrite):
+        kernels.affine_write_torch(x, rows, op.scale[None], zeros, op.bias[None], zeros, op.U, op.V)
+        return None
+    if isinstance(op, GeneratedWrite):
+        kernels.run_program_torch(x, rows, op.program, None)
+        return None
+    if isinstance(op, Read) and op.W is not None:
+        out = torch.empty(len(rows), op.W.shape[1])
+        bias = op.bias if op.bias is not None else torch.zeros(op.W.shape[1])
+        kernels.project_read_torch(x, rows, op.W, bias, out, rows)
+        return out
+    out = torch.empty(len(rows), int(torch.tensor(op.feature_shape).prod()) if op.feature_shape else 1)
     if isinstance(op, Read):
-        out = torch.empty(len(rows), x.shape[1])
         kernels.gather_rows_torch(x, rows, out, rows)
-        return out
-    if isinstance(op, GeneratedRead):
-        out = torch.empty(len(rows), int(torch.tensor(op.feature_shape).prod()) if op.feature_shape else 1)
+    else:
         kernels.run_program_torch(x, rows, op.program, None, out, rows)
-        return out
-    kernels.run_program_torch(x, rows, op.program, None)
-    return None
+    return out

@@ -229,9 +229,15 @@ def unembedding(model: nn.Module, family: str, d_vocab: int) -> tuple[torch.Tens
     """(W_U [d_model, d_vocab], b_U [d_vocab]) that map ln_final.hook_normalized to logits, in fp32.
 
     hook_normalized is the final norm before its weight (and bias), so they are folded in here.
+    Under TP the vocabulary is split over ranks: every rank must call this (a collective).
     """
+    from vllm.distributed import get_tensor_model_parallel_world_size, tensor_model_parallel_all_gather
+
     norm = model.get_submodule(FINAL_NORM[family])
-    W = model.lm_head.weight.detach()[:d_vocab].float().T
+    W = model.lm_head.weight.detach()
+    if get_tensor_model_parallel_world_size() > 1:  # vocabulary shards, in rank order: every rank calls this
+        W = tensor_model_parallel_all_gather(W, dim=0)
+    W = W[:d_vocab].float().T
     w = norm.weight.detach().float()
     b = getattr(norm, "bias", None)
     b_U = b.detach().float() @ W if b is not None else torch.zeros(d_vocab)

@@ -1,0 +1,72 @@
+"""The driver's handle on the site runtimes of a tensor-parallel engine.
+
+Under TP vLLM builds the model in worker processes, one per rank, and each has its own site
+runtime (runtime.py) over its shard. The driver (the user's process: HookedServedModel) calls
+the same methods it calls on an in-process runtime ("what the driver calls" in runtime.py); here
+each is one collective RPC, run by every worker in the order sent (the same queue as the engine's
+steps, so a call made between steps lands between them), and rank 0 answers. Arguments and
+answers are pickled: lowered ops go out with their tensors on the host, reads come back on it.
+"""
+import torch
+
+
+def call_runtime(worker, method: str, args: tuple):
+    """Run in each worker: one method of its model's site runtime."""
+    return getattr(worker.model_runner.model.xmix_runtime, method)(*args)
+
+
+def read_runtime(worker, path: str):
+    """Run in each worker: an attribute of its site runtime (`control.step_count`, `eager_steps`)."""
+    value = worker.model_runner.model.xmix_runtime
+    for name in path.split("."):
+        value = getattr(value, name)
+    return value
+
+
+def unembedding_of(worker, family: str, d_vocab: int):
+    """Run in each worker: (W_U, b_U) on the host, the vocabulary gathered from every rank."""
+    from .sites import unembedding
+    return unembedding(worker.model_runner.model, family, d_vocab)
+
+
+class RemoteRuntime:
+    # stores are allocated on the driver's host and moved to each worker's device when a pass opens
+    device = torch.device("cpu")
+
+    def __init__(self, llm):
+        self.llm = llm
+        self.installed = {}  # app name -> AppInfo, kept in step with the workers'
+
+    def _call(self, method: str, *args):
+        return self.llm.collective_rpc(call_runtime, args=(method, args))[0]
+
+    def read(self, path: str) -> list:
+        """An attribute of every rank's runtime, by rank (for tests and benchmarks)."""
+        return self.llm.collective_rpc(read_runtime, args=(path,))
+
+    def install_app(self, name, ops_by_hook_point):
+        self.installed[name] = info = self._call("install_app", name, ops_by_hook_point)
+        return info
+
+    def set_app_params(self, name, ops_by_hook_point):
+        self.installed[name] = info = self._call("set_app_params", name, ops_by_hook_point)
+        return info
+
+    def uninstall_app(self, name):
+        self._call("uninstall_app", name)
+        del self.installed[name]
+
+    def set_default_apps(self, names):
+        self._call("set_default_apps", tuple(names))
+
+    def clear_results(self):
+        self._call("clear_results")
+
+    def begin_passes(self, specs):
+        return self._call("begin_passes", specs)
+
+    def route(self, rows, selections):
+        self._call("route", rows, selections)
+
+    def finish_passes(self, pass_ids, req_ids):
+        return self._call("finish_passes", pass_ids, req_ids)

@@ -74,10 +74,13 @@ def engine_kwargs(args) -> dict:
         kwargs["load_format"] = "dummy"
     if args.eager_engines:
         kwargs["enforce_eager"] = True
+    if args.tensor_parallel_size > 1:  # vLLM's worker processes, one per GPU, for every engine
+        kwargs.update(tensor_parallel_size=args.tensor_parallel_size, distributed_executor_backend="mp")
     return kwargs
 
 
-def build_engines(args):
+def build_engines(args, modes):
+    """The engines the modes run on (native always: the baseline)."""
     from vllm import LLM
 
     from xmix_lens import HookedServedModel
@@ -94,12 +97,15 @@ def build_engines(args):
     cfg = _cfg(args)
     apps, steering_vector = seven_apps(cfg)
     armed = sorted({name for app in apps for name, _ in app.fwd_hooks})
-    timed("production", lambda: HookedServedModel.from_pretrained(args.model, dtype=args.dtype, armed=armed, apps=apps,
-                                                                   **common))
-    timed("research", lambda: HookedServedModel.from_pretrained(args.model, dtype=args.dtype, **common))
-    timed("eager", lambda: LLM(model=args.model, dtype=args.dtype, skip_tokenizer_init=True,
-                               **{**common, "enforce_eager": True}))
-    _add_eager_steering_hook(built["eager"], int(apps[0].fwd_hooks[0][0].split(".")[1]), steering_vector)
+    if {"installed_idle", "steer", "seven"} & set(modes):
+        timed("production", lambda: HookedServedModel.from_pretrained(args.model, dtype=args.dtype, armed=armed,
+                                                                       apps=apps, **common))
+    if "armed_idle" in modes:
+        timed("research", lambda: HookedServedModel.from_pretrained(args.model, dtype=args.dtype, **common))
+    if "eager_hook" in modes:
+        timed("eager", lambda: LLM(model=args.model, dtype=args.dtype, skip_tokenizer_init=True,
+                                   **{**common, "enforce_eager": True}))
+        _add_eager_steering_hook(built["eager"], int(apps[0].fwd_hooks[0][0].split(".")[1]), steering_vector)
     return built, [a.name for a in apps], seconds
 
 
@@ -161,10 +167,22 @@ def run_once(llm, prompts, out_len) -> dict:
 
 def set_mode(engines, app_names, mode):
     """The engine a mode runs on, with the production engine's active apps chosen for it."""
+    if mode == "native":
+        return engines["native"]
+    if mode == "armed_idle":
+        return engines["research"].llm
+    if mode == "eager_hook":
+        return engines["eager"]
     production = engines["production"]
-    production.runtime.set_default_apps({"installed_idle": (), "steer": ("steer",), "seven": app_names}.get(mode, ()))
-    return {"native": engines["native"], "armed_idle": engines["research"].llm,
-            "eager_hook": engines["eager"]}.get(mode, production.llm)
+    production.runtime.set_default_apps({"installed_idle": (), "steer": ("steer",), "seven": app_names}[mode])
+    return production.llm
+
+
+def reset(engines, app_names) -> None:
+    """After a workload: no app active, the reads of requests nobody collects dropped."""
+    if "production" in engines:
+        set_mode(engines, app_names, "installed_idle")
+        engines["production"].runtime.clear_results()
 
 
 def summarise(runs: dict) -> dict:
@@ -216,12 +234,18 @@ def main(argv=None) -> dict:
     parser.add_argument("--toy", action="store_true", help="tiny workloads (the CPU run in CI)")
     parser.add_argument("--eager-engines", action="store_true", help="every engine enforce_eager (CPU speed)")
     parser.add_argument("--max-model-len", type=int, default=512)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="every engine's TP ranks (GPUs)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.2)
     parser.add_argument("--profile", action="store_true", help="record the kernels of a graph-replayed decode step")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     modes = args.modes.split(",")
-    engines, app_names, build_seconds = build_engines(args)
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown or "native" not in modes:
+        parser.error(f"--modes: unknown {unknown}; choose from {MODES}, native included (the baseline)")
+    if "eager_hook" in modes and args.tensor_parallel_size > 1:
+        parser.error("eager_hook adds a torch hook to an in-process model: drop it from --modes under TP")
+    engines, app_names, build_seconds = build_engines(args, modes)
     vocab = engines["native"].llm_engine.model_config.get_vocab_size()
     table = TOY_WORKLOADS if args.toy else WORKLOADS
     result = {"command": "python -m bench.serving " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -255,14 +279,13 @@ def main(argv=None) -> dict:
         result["workloads"][workload] = {"requests": n, "prompt_len": in_len, "output_len": out_len,
                                          "runs": runs, "summary": summarise(runs),
                                          "tokens_equal_native": same_tokens}
-        set_mode(engines, app_names, "installed_idle")
-        engines["production"].runtime.clear_results()
-    if args.profile and torch.cuda.is_available():
+        reset(engines, app_names)
+    if args.profile and torch.cuda.is_available() and "production" in engines:
         llm = set_mode(engines, app_names, "seven")
         n, in_len, _ = table["decode"]
         result["decode_step_kernels"] = kernel_names(llm, torch.randint(100, vocab - 100, (n, in_len),
                                                                         generator=gen).tolist())
-        set_mode(engines, app_names, "installed_idle")
+        reset(engines, app_names)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

@@ -148,8 +148,11 @@ class HookedServedModel:
         return model
 
     def shutdown(self) -> None:
-        """Stop the engine now (under TP its worker processes exit) rather than at interpreter exit."""
-        self.llm.llm_engine.engine_core.shutdown()
+        """Stop the engine's workers now (under TP, its worker processes exit) rather than at
+        interpreter exit. Other engines in this process keep running: vLLM's own engine shutdown
+        would also tear down this process's distributed state, which in-process engines share."""
+        from .backend.vllm import adapter
+        adapter.shutdown_workers(self.llm)
 
     # --- tokens (TransformerLens's rules) -------------------------------------------------------
     def _tokenize(self, input: str | list[str], prepend_bos: bool | None, padding_side: str | None):

@@ -31,6 +31,10 @@ def bind(llm):
     return runner, bind_runner(runner)
 
 
+def shutdown_workers(llm) -> None:
+    _executor(llm).shutdown()
+
+
 def bind_runner(runner):
     """The model's site runtime, attached to its model runner (this process's, or a worker's)."""
     runtime = runner.model.xmix_runtime

@@ -35,7 +35,8 @@ class RemoteRuntime:
 
     def __init__(self, llm):
         self.llm = llm
-        self.installed = {}  # app name -> AppInfo, kept in step with the workers'
+        # app name -> AppInfo, kept in step with the workers' (from_pretrained(apps=...) installed some)
+        self.installed = self.read("installed")[0]
 
     def _call(self, method: str, *args):
         return self.llm.collective_rpc(call_runtime, args=(method, args))[0]

@@ -159,11 +159,11 @@ class SiteRuntime:
         for pass_id in pass_ids:
             p = self.passes.pop(pass_id)
             in_order = sorted(p.rows, key=p.rows.get)
-            finished.append(PassResults({key: p.result(key) for key in p.read_ops},
+            finished.append(PassResults({key: p.result(key) for key in p.reads},
                                         [self.control.take_results(r) for r in in_order]))
         for req_id in req_ids:
             self.control.forget(req_id)
-        return finished
+        return finished if self.tp_rank == 0 else None  # rank 0 answers; the others send nothing back
 
     # --- placing ops on this rank ---------------------------------------------------------------
     def _place_all(self, ops_by_hook_point: dict[str, list[LoweredOp]], resident: bool = False) -> dict[int, list]:
@@ -199,7 +199,7 @@ class SiteRuntime:
             for site_ops in phase.ops.values():
                 for op in site_ops:
                     op = op.op if isinstance(op, sharding.Placed) else op
-                    if isinstance(op, (Read, GeneratedRead)) and op.store is None:
+                    if isinstance(op, (Read, GeneratedRead)) and op.store is None and self.tp_rank == 0:
                         lead = (p.batch, phase.padded_len) if op.keeps_pos else (p.batch,)
                         p.reads[op.key] = torch.zeros(*lead, *op.feature_shape, dtype=torch.float32)
                         p.read_ops[op.key] = op

@@ -2,11 +2,12 @@
 
 Not collected by CI (pyproject ignores tests/gpu). Run there as:
     XMIX_GPU_MODEL=.gpumodel XMIX_GPU_OUT=$OUT python3 -m pytest -q tests/gpu/test_served_gpu.py -o addopts=""
-The model folder holds a Llama config and a tokenizer; weights are vLLM's deterministic dummy
-weights, identical in both engines. The compiled engine (torch.compile and CUDA graphs on; steps
+The model folder holds a Llama config and a tokenizer, and weights if it has any (e.g. the seeded
+random checkpoint `tests/gpu/tp_compare.py make-model` writes); without them, vLLM's deterministic
+dummy weights, identical in both engines (so small that some hooks barely move the logits). The compiled engine (torch.compile and CUDA graphs on; steps
 with these per-call hooks run without graphs) must give what the eager engine gives, with and
 without hooks, and the hooks must run through the Triton kernels, not the torch twins.
-Stalled on its first pass on 2026-11-29 (CUDA graphs were off then); not run since.
+Stalled on its first pass on 2026-11-29 (CUDA graphs were off then); ran through on 2026-11-30.
 """
 import os
 import time
@@ -28,9 +29,10 @@ record = RESULTS.record
 
 def build(**kwargs) -> HookedServedModel:
     start = time.time()
-    model = HookedServedModel.from_pretrained(os.environ.get("XMIX_GPU_MODEL", ".gpumodel"), dtype="bfloat16",
-                                              load_format="dummy", max_model_len=512, gpu_memory_utilization=0.25,
-                                              **kwargs)
+    folder = os.environ.get("XMIX_GPU_MODEL", ".gpumodel")
+    weights = "auto" if any(f.endswith(".safetensors") for f in os.listdir(folder)) else "dummy"
+    model = HookedServedModel.from_pretrained(folder, dtype="bfloat16", load_format=weights, max_model_len=512,
+                                              gpu_memory_utilization=0.25, **kwargs)
     record(f"engine_start_{'eager' if kwargs.get('enforce_eager') else 'compiled'}", seconds=time.time() - start)
     return model
 

@@ -174,3 +174,18 @@ def test_bad_parallel_layouts_are_refused_before_an_engine_is_built():
         HookedServedModel.from_pretrained(str(tiny_llama()), tensor_parallel_size=3)
     with pytest.raises(ValueError, match="pipeline_parallel_size"):
         HookedServedModel.from_pretrained(str(tiny_llama()), pipeline_parallel_size=2)
+
+
+def test_errors_under_tp_name_the_problem_and_leave_the_engine_usable(tp1, tp2):
+    app = _apps(tp2.cfg, "tp-err-")[0]
+    tp2.install(app)
+    try:
+        with pytest.raises(Exception, match="tp-nope"):  # refused in the driver, before any RPC
+            tp2.run_with_hooks(PROMPTS[:1], apps=[["tp-nope"]])
+        ops, _ = tp2._lower_app(app.name, app.fwd_hooks)
+        with pytest.raises(ValueError, match="installed already"):  # raised in the workers, sent back as is
+            tp2.runtime.install_app(app.name, ops)
+        assert tp2.runtime.read("installed")[1].keys() == tp2.runtime.installed.keys()
+    finally:
+        tp2.uninstall(app.name)
+    torch.testing.assert_close(tp2(PROMPTS), tp1(PROMPTS), **TOL)

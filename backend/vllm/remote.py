@@ -10,17 +10,18 @@ answers are pickled: lowered ops go out with their tensors on the host, reads co
 import torch
 
 
-def call_runtime(worker, method: str, args: tuple):
-    """Run in each worker: one method of its model's site runtime."""
-    return getattr(worker.model_runner.model.xmix_runtime, method)(*args)
-
-
-def read_runtime(worker, path: str):
-    """Run in each worker: an attribute of its site runtime (`control.step_count`, `eager_steps`)."""
-    value = worker.model_runner.model.xmix_runtime
-    for name in path.split("."):
-        value = getattr(value, name)
-    return value
+def on_runtime(worker, path: str, args: tuple | None):
+    """Run in each worker: a method of its site runtime called with args, or (args None) an
+    attribute read (`control.delivers`). Returns (True, result) or (False, the exception): an
+    exception raised out of a collective RPC would leave the other ranks' answers unread in vLLM's
+    queues, to be taken as the answers of the next call."""
+    try:
+        target = worker.model_runner.model.xmix_runtime
+        for name in path.split("."):
+            target = getattr(target, name)
+        return True, target if args is None else target(*args)
+    except Exception as e:  # noqa: BLE001 (sent back whole, raised in the driver)
+        return False, e
 
 
 def unembedding_of(worker, family: str, d_vocab: int):
@@ -39,11 +40,18 @@ class RemoteRuntime:
         self.installed = self.read("installed")[0]
 
     def _call(self, method: str, *args):
-        return self.llm.collective_rpc(call_runtime, args=(method, args))[0]
+        return self._answers(method, args)[0]
 
     def read(self, path: str) -> list:
         """An attribute of every rank's runtime, by rank (for tests and benchmarks)."""
-        return self.llm.collective_rpc(read_runtime, args=(path,))
+        return self._answers(path, None)
+
+    def _answers(self, path: str, args: tuple | None) -> list:
+        outcomes = self.llm.collective_rpc(on_runtime, args=(path, args))
+        for ok, value in outcomes:
+            if not ok:  # every rank ran the call (and answered); the first error, as raised there
+                raise value
+        return [value for _, value in outcomes]
 
     def install_app(self, name, ops_by_hook_point):
         self.installed[name] = info = self._call("install_app", name, ops_by_hook_point)

@@ -20,9 +20,11 @@ in registers as a [BLOCK_ROWS, lanes] block (lanes: the next power of two >= n; 
 (1,)), or [1, lanes] when the value is made of constants only (it broadcasts). Lanes past n are
 padding holding anything: elementwise ops never mix lanes, and the ops that do (reductions,
 softmax, topk_mask, matmul, the final store) mask the padding out (-inf before a max, 0 before
-a sum). `a @ W` runs one rank-1 update per input feature (CUDA-core FMAs, W's rows streamed
-once per block of rows); its input is read back a column at a time, from x itself or from a
-scratch row the program owns, since registers cannot be indexed by lane. The result is
+a sum). `x @ W` (the site row times a constant) runs as tl.dot over tiles of x's columns read
+from memory once a program's row blocks reach 16 rows (x's row is not held in registers unless an
+op other than a matmul reads it). Any other `a @ W` runs one rank-1 update per input feature
+(CUDA-core FMAs, W's rows streamed once per block of rows), its input read back a column at a time
+from x itself or from a scratch row the program owns, since registers cannot be indexed by lane. The result is
 materialised whole: relu(x @ W_enc + b) @ W_dec holds the k SAE features of BLOCK_ROWS tokens
 at once, which is what keeps topk_mask (a whole-row decision) correct. BLOCK_ROWS shrinks as
 values widen (16 rows up to 1024 lanes, 4 at 4096, 2 at 8192). A launch runs at most
@@ -237,7 +239,10 @@ def _plan(structure: tuple) -> _Plan:
     if not 0 <= output < len(ops):
         raise ValueError(f"output {output} is not an op of this {len(ops)}-op program")
 
-    widest = max(triton.next_power_of_2(w) for w in widths)
+    # x's row is held in registers only where an op other than a matmul reads it (a matmul reads
+    # x's columns from memory), so an SAE encoder's read keeps full row blocks, and tl.dot
+    held = [w for i, w in enumerate(widths) if ops[i][0] != "x" or _x_held(i, output, ops)]
+    widest = max(triton.next_power_of_2(w) for w in held or [1])
     block_rows = max(1, min(MAX_BLOCK_ROWS, LANES_PER_PROGRAM // widest))
     return _Plan(
         F=F, output=output, ops=ops, widths=tuple(widths), numbers=tuple(numbers),
@@ -246,6 +251,22 @@ def _plan(structure: tuple) -> _Plan:
         # spills for F = 4096 steering or a 576 -> 4096 -> 576 top-k SAE)
         block_rows=block_rows, num_warps=min(16, max(4, block_rows * widest // 1024)),
     )
+
+
+def _x_held(x: int, output: int, ops: tuple) -> bool:
+    """Whether op x's value (the site row) is needed whole: it is the result, or an op other than
+    a matmul's input reads it."""
+    readers = [(name, j) for name, args, _ in ops for j, (kind, a) in enumerate(zip(ARGS[name], args))
+               if kind == "value" and a == x]
+    return output == x or any(name != "matmul" or j != 0 for name, j in readers)
+
+
+def _dot_tile(n: int, block_rows: int) -> int:
+    """The input features a matmul of x takes per tl.dot (0: no tl.dot, rank-1 updates instead).
+    tl.dot needs 16 rows and 16 outputs at least; wider outputs take fewer features a tile so
+    that the tile of W stays within registers."""
+    lanes = triton.next_power_of_2(n)
+    return 0 if block_rows < 16 or lanes < 16 else max(16, min(64, 8192 // lanes))
 
 
 # --- the generator ---------------------------------------------------------------------------------
@@ -331,6 +352,8 @@ class _Source:
         a = self.operand(i, 0) if args and ARGS[name][0] == "value" else None
         width_in = self.plan.widths[args[0]] if a and args[0] != NUMBER else 1  # the first operand's lanes
         if name == "x":
+            if not _x_held(i, self.plan.output, self.plan.ops):
+                return [f"# {v} = x: read from x a tile at a time by the matmuls of it, not held whole"]
             return [f"{v} = {self.load(f'x_ptr + rows * x_row_stride + {self.lanes(F)}', F, live=True)}.to(tl.float32)"]
         if name == "const":
             return [f"{v} = {self.load(f'c{args[0]}_ptr + {self.lanes(n)}', n)}"]
@@ -386,6 +409,20 @@ class _Source:
         row = self.load(f"{w} + j * {n} + {lanes}", n)
         accumulate = [f"{v} = tl.zeros((BLOCK_ROWS, {triton.next_power_of_2(n)}), dtype=tl.float32)",
                       f"for j in range({width_in}):"]
+        tile = _dot_tile(n, self.plan.block_rows)
+        if self.plan.ops[args[0]][0] == "x" and tile:
+            return [
+                f"# {v} = {a} @ {w[:-4]}, [{width_in}] @ [{width_in}, {n}]: tl.dot over tiles of {tile} input",
+                "# features, x's columns read from x itself (ieee: fp32 sums, as the twin's matmul)",
+                f"{v} = tl.zeros((BLOCK_ROWS, {triton.next_power_of_2(n)}), dtype=tl.float32)",
+                f"for f0 in range(0, {width_in}, {tile}):",
+                f"    f = f0 + tl.arange(0, {tile})",
+                f"    x_tile = tl.load(x_ptr + rows * x_row_stride + f[None, :], mask=live & (f[None, :] < {width_in}),"
+                " other=0.0).to(tl.float32)",
+                f"    w_tile = tl.load({w} + f[:, None] * {n} + {lanes}, mask=(f[:, None] < {width_in}) & {self.mask(n)},"
+                " other=0.0)",
+                f"    {v} += tl.dot(x_tile, w_tile, input_precision=\"ieee\")",
+            ]
         if self.plan.ops[args[0]][0] == "x":
             return [
                 f"# {v} = {a} @ {w[:-4]}, [{width_in}] @ [{width_in}, {n}]: a rank-1 update per input feature,",

@@ -322,15 +322,19 @@ class ControlPlane:
             self._file(step)
 
     def _file(self, step: _Step) -> None:
+        """Each request's live tokens of each read, as views of the step's host copy: one gather
+        and one split per read, then a dict append per request (this runs between steps)."""
         positions = step.host["positions"]
         for index, on in step.live.items():
             key, values = (self.ops[index].app, self.ops[index].op.key), step.host[index]
-            for i, req_id in enumerate(step.req_ids):
-                lo, hi = int(step.query_start[i]), int(step.query_start[i + 1])
-                if on[lo:hi].any():
-                    chunk = (positions[lo:hi][torch.from_numpy(on[lo:hi])],
-                             values[lo:hi][torch.from_numpy(on[lo:hi])].clone())
-                    self.results.setdefault(req_id, {}).setdefault(key, []).append(chunk)
+            live = torch.from_numpy(on)
+            counted = np.concatenate([[0], np.cumsum(on)])  # live tokens before each token
+            per_request = (counted[step.query_start[1:]] - counted[step.query_start[:-1]]).tolist()
+            pos_chunks = positions[live].split(per_request)
+            value_chunks = values[live].split(per_request)
+            for req_id, count, pos, vals in zip(step.req_ids, per_request, pos_chunks, value_chunks):
+                if count:
+                    self.results.setdefault(req_id, {}).setdefault(key, []).append((pos, vals))
 
 
 def _home(t: torch.Tensor, pin: bool) -> torch.Tensor:

@@ -14,7 +14,7 @@ Under tensor parallelism each worker runs its own runtime over its shard of the 
 (sharding.py places each op for the rank); the driver calls the methods under "what the driver
 calls" directly (one process) or as collective RPCs (remote.py), and rank 0 answers.
 """
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 
 import torch
@@ -181,7 +181,7 @@ class SiteRuntime:
                              f"{self.tp_world} ranks, so the site is not split in blocks; hook it with "
                              "tensor_parallel_size at most the number of KV heads")
         placed = sharding.place(op, F, self.tp_rank, self.tp_world, resident)
-        return sharding.Placed(placed.kind, to_device(placed.op, self.device, moved), placed.block)
+        return replace(placed, op=to_device(placed.op, self.device, moved))
 
     # --- passes (between steps) ----------------------------------------------------------------
     def open_pass(self, prompt_lens: list[int], pad_offsets: list[int], prefill: tuple[int, dict],

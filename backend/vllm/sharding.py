@@ -103,10 +103,6 @@ class Placed:
     op: LoweredOp  # on the rank's block (local, reduce) or on the gathered row (gather)
     block: slice  # the rank's features of the whole row
 
-    @property
-    def positions(self):
-        return self.op.positions
-
 
 def place(op: LoweredOp, F: int, rank: int, world: int, resident: bool = False) -> Placed:
     """What rank `rank` runs for `op` at a sharded site of F features. A resident read runs as a

@@ -113,13 +113,7 @@ def condition(model, sentiment_direction):
 def iti(model, neutral, base):
     (ptr, _), (ntr, _) = sets("positive.txt"), sets("negative.txt")
     (pfit, pval), (nfit, nval) = D.split(ptr), D.split(ntr)
-    z_hooks = [f"blocks.{L}.attn.hook_z" for L in range(model.cfg.n_layers)]
-
-    def head_means(prompts):
-        acts = D.activations_at(model, prompts, z_hooks)
-        return {L: D.mean(acts[name]) for L, name in enumerate(z_hooks)}
-
-    z_fit, z_val = head_means(pfit + nfit), head_means(pval + nval)
+    z_fit, z_val = D.head_means(model, pfit + nfit), D.head_means(model, pval + nval)
     y_fit, y_val = labels(pfit, nfit), labels(pval, nval)
     shift = {}
     for kind, yf, yv in (("real", y_fit, y_val), ("control", D.shuffled(y_fit), D.shuffled(y_val))):

@@ -95,13 +95,7 @@ def iti_shifts(pair):
     xl, _ = pair
     (ptr, _), (ntr, _) = D.split(D.load_lines("positive.txt")), D.split(D.load_lines("negative.txt"))
     (pfit, pval), (nfit, nval) = D.split(ptr), D.split(ntr)
-    z_hooks = [f"blocks.{L}.attn.hook_z" for L in range(xl.cfg.n_layers)]
-
-    def head_means(prompts):
-        acts = D.activations_at(xl, prompts, z_hooks)
-        return {L: D.mean(acts[name]) for L, name in enumerate(z_hooks)}
-
-    z_fit, z_val = head_means(pfit + nfit), head_means(pval + nval)
+    z_fit, z_val = D.head_means(xl, pfit + nfit), D.head_means(xl, pval + nval)
     y_fit, y_val = labels(pfit, nfit), labels(pval, nval)
     return {name: D.head_shifts(*D.by_label(z_fit, yf), *D.by_label(z_val, yv), top_k=ITI_TOP_K)[0]
             for name, yf, yv in (("iti", y_fit, y_val), ("iti_control", D.shuffled(y_fit), D.shuffled(y_val)))}

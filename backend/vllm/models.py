@@ -7,6 +7,8 @@ with no such entry nothing is armed and the model runs as vLLM's own. `"apps_fil
 apps to install as the model is built (before CUDA-graph capture), written by the driver: a file,
 because a TP engine builds its model in worker processes.
 """
+import math
+
 import torch
 from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from vllm.model_executor.models.gpt2 import GPT2LMHeadModel
@@ -38,14 +40,9 @@ def _shard_widths(family: str, names: list[str], hf_config, world: int) -> dict[
     """The whole width of each site vLLM splits over TP ranks; None where it does not split the
     site in blocks (KV heads fewer than ranks are replicated, not split)."""
     n_kv = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
-    widths = {}
-    for name in filter(is_sharded, names):
-        F = 1
-        for d in feature_shape(family, name, hf_config):
-            F *= d
-        kv = name.endswith(("attn.hook_k", "attn.hook_v"))
-        widths[name] = None if kv and n_kv % world else F
-    return widths
+    replicated_kv = n_kv % world != 0
+    return {name: None if replicated_kv and name.endswith(("attn.hook_k", "attn.hook_v"))
+            else math.prod(feature_shape(family, name, hf_config)) for name in filter(is_sharded, names)}
 
 
 class _Instrumented:

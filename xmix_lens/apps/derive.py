@@ -57,6 +57,13 @@ def mean(acts: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack([a.mean(0) for a in acts])
 
 
+def head_means(model, prompts: list[str]) -> dict[int, torch.Tensor]:
+    """Per layer, the prompts' mean attn.hook_z ([n_prompts, n_heads, d_head]): ITI's statistics."""
+    hooks = [f"blocks.{L}.attn.hook_z" for L in range(model.cfg.n_layers)]
+    acts = activations_at(model, prompts, hooks)
+    return {L: mean(acts[name]) for L, name in enumerate(hooks)}
+
+
 def mean_cosine(acts: list[torch.Tensor], direction: torch.Tensor) -> torch.Tensor:
     """Per prompt: the mean over its tokens of cos(act, direction) (conditional steering's condition)."""
     d = direction / direction.norm()

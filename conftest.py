@@ -15,12 +15,13 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from xmix_lens import models  # noqa: E402
+from tests.tiny_models import tiny_gpt2, tiny_llama  # noqa: E402
+from xmix_lens.model_files import ensure_smollm2  # noqa: E402
 
 MODEL_DIRS = {
-    "tiny-llama": models.tiny_llama,
-    "tiny-gpt2": models.tiny_gpt2,
-    "smollm2": models.ensure_smollm2,
+    "tiny-llama": tiny_llama,
+    "tiny-gpt2": tiny_gpt2,
+    "smollm2": ensure_smollm2,
 }
 
 
@@ -45,6 +46,6 @@ def served():
 
 @pytest.fixture(scope="session")
 def reference():
-    from xmix_lens.backend.reference import TLReference
+    from compat_tests.reference import TLReference
 
     return _PerModel(TLReference)

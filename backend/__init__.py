@@ -1,1 +1,1 @@
-"""Backends: the vLLM serving engine (`vllm/`) and the TransformerLens reference (`reference.py`)."""
+"""Backends: the engine a HookedServedModel runs on (`vllm/`), and the executor that runs lowered ops."""

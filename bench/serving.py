@@ -170,19 +170,19 @@ def set_mode(engines, app_names, mode):
     if mode == "native":
         return engines["native"]
     if mode == "armed_idle":
-        return engines["research"].llm
+        return engines["research"].engine.llm
     if mode == "eager_hook":
         return engines["eager"]
     production = engines["production"]
-    production.runtime.set_default_apps({"installed_idle": (), "steer": ("steer",), "seven": app_names}[mode])
-    return production.llm
+    production.engine.runtime.set_default_apps({"installed_idle": (), "steer": ("steer",), "seven": app_names}[mode])
+    return production.engine.llm
 
 
 def reset(engines, app_names) -> None:
     """After a workload: no app active, the reads of requests nobody collects dropped."""
     if "production" in engines:
         set_mode(engines, app_names, "installed_idle")
-        engines["production"].runtime.clear_results()
+        engines["production"].engine.runtime.clear_results()
 
 
 def summarise(runs: dict) -> dict:

@@ -127,15 +127,18 @@ def test_bridge_aliases_are_the_same_hook_point(model, served, reference):
 
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny-gpt2"])
 def test_site_table_is_tl_firing_order_and_shapes(model, reference):
-    """The site table's order is the order TL fires the hooks in; feature_shape is TL's act shape."""
+    """hook_names is the order TL fires the hooks in, and the site table places them in it;
+    feature_shape is TL's act shape."""
     from transformers import AutoConfig
 
-    from xmix_lens.backend.vllm.sites import feature_shape, site_names
+    from xmix_lens.backend.vllm.sites import site_table
+    from xmix_lens.hook_points import feature_shape, hook_names
 
     tl = reference[model]
     family = {"tiny-llama": "llama", "tiny-gpt2": "gpt2"}[model]
     hf = AutoConfig.from_pretrained(tl.model_dir)
-    names = site_names(family, hf.num_hidden_layers)
+    names = hook_names(family, hf.num_hidden_layers)
+    site_table(family, hf.num_hidden_layers)  # raises unless it places exactly these names, in order
     fired = []
 
     def record(name):
@@ -144,7 +147,7 @@ def test_site_table_is_tl_firing_order_and_shapes(model, reference):
         return hook
 
     tl.run_with_hooks(PROMPTS, fwd_hooks=[(n, record(n)) for n in names])
-    assert fired == [(n, feature_shape(family, n, hf)) for n in names]
+    assert fired == [(n, feature_shape(n, hf)) for n in names]
 
 
 @pytest.mark.parametrize("padding_side", ["right", "left"])

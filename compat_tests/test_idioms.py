@@ -1,7 +1,7 @@
 """TransformerLens idioms written as hooks, through TransformerLens and through xmix-lens.
 
 The table in docs/hook-idioms.md names, per idiom, the test here that backs it. Every test runs
-the same hook function objects through TransformerLens's own run_with_hooks (backend/reference.py)
+the same hook function objects through TransformerLens's own run_with_hooks (compat_tests/reference.py)
 and through xmix-lens, on a batch of prompts of different lengths, both padding sides where the
 idiom names no position (SmolLM2, for a few idioms, right padding only: its engine is the slow
 one). Writes: logits at real positions agree within compare.py's per-model tolerance, and move

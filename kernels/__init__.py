@@ -12,7 +12,8 @@ if __name__ != "xmix_lens.kernels":
 else:
     from .affine_write import affine_write, affine_write_torch
     from .gather_rows import gather_rows, gather_rows_torch
-    from .generated import generate_kernel, run_program, run_program_torch
+    from .program_kernel import generate_kernel, run_program
+    from .program_torch import run_program_torch
     from .project_read import project_read, project_read_torch
 
     __all__ = [

@@ -13,7 +13,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import torch  # noqa: E402
 
-from xmix_lens import HookedServedModel, apps, models  # noqa: E402
+from xmix_lens import HookedServedModel, apps, model_files  # noqa: E402
 from xmix_lens.apps import derive as D  # noqa: E402
 
 STEER_LAYER, TRUTH_LAYER, HARM_LAYER, CONDITION_LAYER, SAE_LAYER = 8, 14, 6, 6, 8
@@ -189,7 +189,7 @@ def sae(model, neutral, base):
 
 def main():
     start = time.time()
-    model = HookedServedModel.from_pretrained(str(models.ensure_smollm2()), max_model_len=256)
+    model = HookedServedModel.from_pretrained(str(model_files.ensure_smollm2()), max_model_len=256)
     print(f"engine ready in {time.time() - start:.0f} s")
     neutral = D.load_lines("neutral_prompts.txt")
     base = D.sentiment_logit_gap(model, model.run_with_hooks(neutral, padding_side="left")[:, -1])

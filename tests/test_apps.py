@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from xmix_lens import App, apps
-from xmix_lens.app import AppRun
 from xmix_lens.apps import derive as D
 
 MODEL = "smollm2"

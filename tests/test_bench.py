@@ -7,7 +7,7 @@ eager torch-hook approach does."""
 import json
 
 from bench import serving
-from xmix_lens.models import tiny_llama
+from tests.tiny_models import tiny_llama
 
 
 def test_harness_runs_every_mode_and_the_modes_do_what_they_claim(tmp_path):

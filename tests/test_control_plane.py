@@ -10,7 +10,8 @@ import pytest
 import torch
 from vllm.compilation.counter import compilation_counter
 
-from xmix_lens.models import tiny_llama
+from tests.tiny_models import tiny_llama
+from xmix_lens.passes import PassPlan
 
 from test_serving import LONG_PROMPT, eager_tiny_llama
 
@@ -43,6 +44,14 @@ class Apps:
         return {f"{self.prefix}steer": self.steer(), f"{self.prefix}gate": self.gate()}
 
 
+def install_resident(model, name, hooks):
+    """Lower hooks as an installed app's and make them resident in the engine, below the App API;
+    returns the (read key, proxy) pairs of the values they keep."""
+    ops, kept = model._lower_app(name, hooks)
+    model.engine.install_app(name, ops)
+    return kept
+
+
 @pytest.fixture(scope="module")
 def installed(served):
     """The session's compiled tiny-Llama engine with the three apps installed (after the build:
@@ -50,16 +59,18 @@ def installed(served):
     model = served[MODEL]
     apps = Apps(model.cfg.d_model, prefix="cp-")
     for name, hooks in apps.names().items():
-        model._install_resident(name, hooks)
-    probe_kept = model._install_resident("cp-probe", apps.probe({}))
+        install_resident(model, name, hooks)
+    probe_kept = install_resident(model, "cp-probe", apps.probe({}))
     return model, apps, probe_kept
 
 
 def run_selected(model, prompts, row_apps):
     """Logits of one pass whose rows select installed apps, and each row's app reads."""
-    job = model._forward_job(prompts, "logits")
-    ((p, _),) = model._run_passes([job.run + (row_apps,)])
-    return job.finish(p), p.app_results
+    call = model._forward_call(prompts, "logits")
+    (plan,) = call.plans
+    plan.apps = [tuple(apps) for apps in row_apps]
+    outcomes = model._run(call.plans)
+    return call.finish(outcomes), outcomes[0].results.app_results
 
 
 def test_each_row_equals_its_apps_run_as_hooks(installed):
@@ -90,6 +101,8 @@ def test_each_row_equals_its_apps_run_as_hooks(installed):
 def recorded_launches(control, monkeypatch):
     """Record the control plane's launches at every site as (kernel, addresses of its tensors but x,
     the site's activation, whose address a CUDA graph fixes itself)."""
+    from xmix_lens.backend.executor import Kernels
+
     launches = []
 
     def recording(name, fn):
@@ -98,22 +111,20 @@ def recorded_launches(control, monkeypatch):
             return fn(x, *args)
         return launch
 
-    launch = control.launch
-
-    def launch_recorded(x, site_id, impl):
-        return launch(x, site_id, type(impl)(**{n: recording(n, f) for n, f in vars(impl).items()}))
-
-    monkeypatch.setattr(control, "launch", launch_recorded)
+    kernels = control.executor.kernels
+    monkeypatch.setattr(control.executor, "kernels",
+                        Kernels(*(recording(name, fn) for name, fn in zip(Kernels._fields, kernels))))
     return launches
 
 
 def test_toggles_are_buffer_writes(installed, monkeypatch):
-    """Selecting, deactivating and re-parameterising apps change results but never what is launched:
+    """Selecting apps (per request, or as the default of requests that choose none) and
+    re-parameterising them change results but never what is launched:
     a CUDA graph captured once replays correctly through all of them, and nothing recompiles."""
     model, apps, _ = installed
     counters = (compilation_counter.num_graphs_seen, compilation_counter.num_backend_compilations,
                 compilation_counter.num_inductor_compiles)
-    control = model.runtime.control
+    control = model.engine.runtime.control
     launches = recorded_launches(control, monkeypatch)
     resident = [o for o in control.ops if o.app.startswith("cp-")]
     addresses = [tuple(t.data_ptr() for t in vars(o.op).values() if isinstance(t, torch.Tensor)) for o in resident]
@@ -127,19 +138,19 @@ def test_toggles_are_buffer_writes(installed, monkeypatch):
     first = launched()
     plain, _ = run_selected(model, PROMPTS[:1], [set()])
     assert launched() == first
-    model.runtime.control.set_active("cp-steer", False)
+    model.engine.runtime.set_default_apps({"cp-steer"})
     try:
-        off, _ = run_selected(model, PROMPTS[:1], [{"cp-steer"}])
+        by_default, _ = run_selected(model, PROMPTS[:1], [set()])
     finally:
-        model.runtime.control.set_active("cp-steer", True)
+        model.engine.runtime.set_default_apps(())
     assert launched() == first
-    info = model.runtime.set_app_params("cp-steer", model._lower_app("cp-steer", [
+    info = model.engine.runtime.set_app_params("cp-steer", model._lower_app("cp-steer", [
         ("blocks.0.hook_resid_post", lambda act, hook: act - apps.v)])[0])
     try:
         reversed_, _ = run_selected(model, PROMPTS[:1], [{"cp-steer"}])
         assert launched() == first
     finally:
-        model.runtime.set_app_params("cp-steer", model._lower_app("cp-steer", apps.steer())[0])
+        model.engine.runtime.set_app_params("cp-steer", model._lower_app("cp-steer", apps.steer())[0])
     assert info.version >= 1
     assert [tuple(t.data_ptr() for t in vars(o.op).values() if isinstance(t, torch.Tensor)) for o in resident] \
         == addresses
@@ -147,7 +158,7 @@ def test_toggles_are_buffer_writes(installed, monkeypatch):
             compilation_counter.num_inductor_compiles) == counters
 
     minus = model.run_with_hooks(PROMPTS[:1], fwd_hooks=[("blocks.0.hook_resid_post", lambda act, hook: act - apps.v)])
-    assert (plain - off).abs().max() < 1e-5  # deactivated: as if not selected
+    assert (by_default - steered).abs().max() < 1e-5  # the default app of a request that chose none
     assert (steered - plain).abs().max() > 1e-1
     assert (reversed_ - minus).abs().max() < 1e-4  # the new parameters took effect
 
@@ -156,19 +167,19 @@ def test_new_parameters_of_another_structure_are_refused(installed):
     model, apps, _ = installed
     gated = model._lower_app("cp-steer", apps.gate())[0]
     with pytest.raises(ValueError, match="install it as a new app"):
-        model.runtime.set_app_params("cp-steer", gated)
+        model.engine.runtime.set_app_params("cp-steer", gated)
     assert torch.isfinite(run_selected(model, PROMPTS[:1], [{"cp-steer"}])[0]).all()  # still serving
 
 
 def test_bad_installs_are_clear_errors(installed):
     model, apps, _ = installed
     with pytest.raises(ValueError, match="installed already"):
-        model._install_resident("cp-steer", apps.steer())
+        model.engine.runtime.install_app("cp-steer", model._lower_app("cp-steer", apps.steer())[0])
     def zero_last(act, hook):
         act[:, -1] = 0
 
     with pytest.raises(ValueError, match="selects positions"):
-        model._install_resident("cp-last", [("blocks.0.hook_resid_post", zero_last)])
+        install_resident(model, "cp-last", [("blocks.0.hook_resid_post", zero_last)])
     with pytest.raises(KeyError, match="no app named"):
         run_selected(model, PROMPTS[:1], [{"cp-missing"}])
     logits, _ = run_selected(model, PROMPTS[:1], [{"cp-steer"}])  # the engine keeps serving
@@ -195,25 +206,26 @@ def test_messenger_under_chunked_prefill_and_preemption(served, small_steps):
     prompts = [" ".join(["The cat sat on the mat"] * 6), " ".join(["One two three four"] * 7),
                " ".join(["The cat sat on the mat"] * 6) + " yes", "Short"]
     rows = [model.to_tokens(p)[0].tolist() for p in prompts]
-    job = (rows, [0] * len(rows), model._trace_hooks(len(rows), max(map(len, rows))), None, 120,
-           {"temperature": 0.0, "ignore_eos": True}, [{"probe"}] * len(rows))
+    plan = PassPlan(rows, [0] * len(rows), model._trace_hooks(len(rows), max(map(len, rows))), None, 120,
+                    {"temperature": 0.0, "ignore_eos": True}, [("probe",)] * len(rows))
     positions_seen = []
-    prepare = model.runtime.control.prepare_step
+    prepare = model.engine.runtime.control.prepare_step
 
     def counting(req_ids, query_start, n_tokens, positions, n_padded=None):
         positions_seen.extend(positions[:n_tokens].tolist())
         prepare(req_ids, query_start, n_tokens, positions, n_padded)
 
-    model.runtime.control.prepare_step = counting
+    model.engine.runtime.control.prepare_step = counting
     try:
-        ((p, generated),) = model._run_passes([job])
+        (outcome,) = model._run([plan])
     finally:
-        del model.runtime.control.prepare_step
+        del model.engine.runtime.control.prepare_step
     assert max(len(r) for r in rows) > 16  # prompts were prefilled in chunks
-    key = next(iter(p.app_results[0]))
+    reads, generated = outcome.results.app_results, outcome.tokens
+    key = next(iter(reads[0]))
     for row, tokens in enumerate(rows):
         sequence = tokens + list(generated[row])
-        positions, values = p.app_results[row][key]
+        positions, values = reads[row][key]
         assert positions.tolist() == list(range(len(sequence) - 1))  # the last token is never run
         _, cache = reference.run_with_cache(torch.tensor([sequence[:-1]]), names_filter="blocks.1.hook_resid_post")
         expected = cache["blocks.1.hook_resid_post"][0] @ w
@@ -238,7 +250,7 @@ def test_per_token_apps_become_resident_and_equal_traced_hooks(served):
     model.install(steer)
     model.install(probe)
     try:
-        assert {"res-steer", "res-probe"} <= set(model.runtime.control.apps)
+        assert {"res-steer", "res-probe"} <= set(model.engine.runtime.control.apps)
         run = model.run_with_hooks(PROMPTS, apps=["res-steer", "res-probe"])
         kept = {}
         traced = model.run_with_hooks(PROMPTS, fwd_hooks=[
@@ -265,7 +277,7 @@ def test_per_token_apps_become_resident_and_equal_traced_hooks(served):
     finally:
         model.uninstall("res-steer")
         model.uninstall("res-probe")
-    assert "res-steer" not in model.runtime.control.apps
+    assert "res-steer" not in model.engine.runtime.control.apps
     again = App("res-steer", fwd_hooks=[("blocks.0.hook_resid_post", lambda act, hook: act + 2 * v)])
     model.install(again)
     try:

@@ -12,7 +12,7 @@ import torch
 import triton
 from triton.runtime.interpreter import InterpretedFunction
 
-from xmix_lens.kernels import generated
+from xmix_lens.kernels import program_format, program_kernel, program_torch
 from xmix_lens.lowered import TokenOp, TokenProgram
 
 from kernel_checks import SENTINEL, assert_matches, gen, random_subset, randn  # noqa: F401 (gen: fixture)
@@ -148,8 +148,8 @@ def run_both(make, F, dtype, gen, T=40, R=27, capacity=50):
     table_index = torch.randint(0, 7, (R,), generator=gen, dtype=torch.int32)
     if program.ops[program.output].shape == (F,) and make not in READS:
         expected, actual = x.clone(), x.clone()
-        generated.run_program_torch(expected, rows, program, table_index)
-        generated.run_program(actual, rows, program, table_index)
+        program_torch.run_program_torch(expected, rows, program, table_index)
+        program_kernel.run_program(actual, rows, program, table_index)
         untouched = torch.ones(T, dtype=torch.bool)
         untouched[rows.long()] = False
         assert torch.equal(actual[untouched], x[untouched])  # bit for bit
@@ -159,8 +159,8 @@ def run_both(make, F, dtype, gen, T=40, R=27, capacity=50):
         dest = random_subset(capacity, R, gen)
         poisoned = torch.full((capacity, width), SENTINEL)
         expected, actual = poisoned.clone(), poisoned.clone()
-        generated.run_program_torch(x, rows, program, table_index, expected, dest)
-        generated.run_program(x, rows, program, table_index, actual, dest)
+        program_torch.run_program_torch(x, rows, program, table_index, expected, dest)
+        program_kernel.run_program(x, rows, program, table_index, actual, dest)
         unwritten = torch.ones(capacity, dtype=torch.bool)
         unwritten[dest.long()] = False
         assert torch.equal(actual[unwritten], poisoned[unwritten])
@@ -191,7 +191,7 @@ def test_sae_clamp_matches_plain_torch(activation, F, k, gen):
     f_i = pre.relu()[:, feature]
     expected = x.clone()
     expected[rows.long()] += (value - f_i)[:, None] * W_dec_i
-    generated.run_program(x, rows, program, None)
+    program_kernel.run_program(x, rows, program, None)
     assert_matches(x, expected, noise=1e-4)
 
 
@@ -220,7 +220,7 @@ def one_op(name, F, gen):
     elif name in ("logical_and", "logical_or"):
         positive = p.op("gt", x, 0.0, shape=(F,))
         p.op(name, positive, p.const(torch.randint(0, 2, (F,), generator=gen).float()), shape=(F,))
-    elif name in generated._BINARY:  # against the row's maximum, so that one lane ties
+    elif program_format.ARGS[name] == ("value", "value"):  # against the row's maximum, so that one lane ties
         p.op(name, x, p.op("max", x, shape=()), shape=(F,))
     else:
         p.op(name, x, shape=(F,))
@@ -247,7 +247,7 @@ def test_twin_matches_a_loop(gen):
         for f in range(F):
             expected[r, f] = x[r, f] + g * v[f]
     actual = x.clone()
-    generated.run_program_torch(actual, rows, gate, None)
+    program_torch.run_program_torch(actual, rows, gate, None)
     torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-6)
 
     attend = softmax_dot(F, gen)
@@ -257,7 +257,7 @@ def test_twin_matches_a_loop(gen):
     for i, r in enumerate(rows.tolist()):
         exps = [math.exp(float(x[r, f])) for f in range(F)]
         expected[dest[i], 0] = sum(e / sum(exps) * float(q[f]) for f, e in enumerate(exps))
-    generated.run_program_torch(x, rows, attend, None, out, dest)
+    program_torch.run_program_torch(x, rows, attend, None, out, dest)
     torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
 
 
@@ -270,7 +270,7 @@ def test_topk_mask_keeps_ties(k, kept):
     program = p.build()
     x = torch.tensor([[3.0, 1.0, 3.0, 2.0, -1.0]])
     rows = torch.tensor([0], dtype=torch.int32)
-    for run in (generated.run_program_torch, generated.run_program):
+    for run in (program_torch.run_program_torch, program_kernel.run_program):
         out = torch.full((1, 5), SENTINEL)
         run(x, rows, program, None, out, rows)
         assert out[0].tolist() == kept
@@ -279,41 +279,42 @@ def test_topk_mask_keeps_ties(k, kept):
 # --- generation: once per structure ----------------------------------------------------------------
 def test_new_constants_and_numbers_reuse_the_kernel(gen):
     F = 97  # no other test uses it: their kernels are cached too
-    generations = len(generated._kernels)
-    first, seconds = generated.generate_kernel(sae_clamp(F, gen, k=128, activation="topk", top=4, value=1.0), F)
-    again, seconds_again = generated.generate_kernel(sae_clamp(F, gen, k=128, activation="topk", top=9, value=-2.0), F)
-    assert again is first and seconds_again == 0.0 and len(generated._kernels) == generations + 1
+    generations = len(program_kernel._kernels)
+    generate = program_kernel.generate_kernel
+    first, seconds = generate(sae_clamp(F, gen, k=128, activation="topk", top=4, value=1.0), F)
+    again, seconds_again = generate(sae_clamp(F, gen, k=128, activation="topk", top=9, value=-2.0), F)
+    assert again is first and seconds_again == 0.0 and len(program_kernel._kernels) == generations + 1
     assert first.seconds > 0 and inspect.getsource(first.fn.fn).startswith("@triton.jit")
     assert isinstance(first.fn, InterpretedFunction)  # conftest set TRITON_INTERPRET=1 before the import
-    other, other_seconds = generated.generate_kernel(sae_clamp(F, gen, k=64, activation="topk"), F)
-    assert other is not first and other_seconds > 0 and len(generated._kernels) == generations + 2
+    other, other_seconds = program_kernel.generate_kernel(sae_clamp(F, gen, k=64, activation="topk"), F)
+    assert other is not first and other_seconds > 0 and len(program_kernel._kernels) == generations + 2
 
     # the kernel reads the numbers (k, the clamp value, the bounds) at launch
     for high in (0.25, 1.5):
         program = clamp(F, gen, high=high)
-        kernel, _ = generated.generate_kernel(program, F)
+        kernel, _ = program_kernel.generate_kernel(program, F)
         x = randn(20, F, gen=gen)
         rows = random_subset(20, 11, gen)
         expected, actual = x.clone(), x.clone()
-        generated.run_program_torch(expected, rows, program, None)
+        program_torch.run_program_torch(expected, rows, program, None)
         kernel(actual, rows, program, None)
         assert torch.equal(actual, expected)
-    assert generated.generate_kernel(clamp(F, gen, high=None), F)[1] > 0  # a missing bound is structure
+    assert program_kernel.generate_kernel(clamp(F, gen, high=None), F)[1] > 0  # a missing bound is structure
 
 
 def test_docstring_example_is_current(gen):
-    """The module docstring shows the kernel generated for steering_gate with F = 200."""
-    kernel, _ = generated.generate_kernel(steering_gate(200, gen), 200)
+    """program_kernel's module docstring shows the kernel generated for steering_gate with F = 200."""
+    kernel, _ = program_kernel.generate_kernel(steering_gate(200, gen), 200)
     code = kernel.source[kernel.source.index("@triton.jit"):].rstrip("\n")
     print(kernel.source)
-    assert "\n".join("    " + line if line else "" for line in code.split("\n")) in generated.__doc__
+    assert "\n".join("    " + line if line else "" for line in code.split("\n")) in program_kernel.__doc__
 
 
 def test_no_rows_is_a_no_op(gen):
     x, out = randn(8, 96, gen=gen), torch.full((4, 1), SENTINEL)
     none = torch.zeros(0, dtype=torch.int32)
     before_x, before_out = x.clone(), out.clone()
-    for run in (generated.run_program, generated.run_program_torch):
+    for run in (program_kernel.run_program, program_torch.run_program_torch):
         run(x, none, steering_gate(96, gen), None)
         run(x, none, softmax_dot(96, gen), None, out, none)
     assert torch.equal(x, before_x) and torch.equal(out, before_out)
@@ -328,14 +329,14 @@ def test_gated_rows_are_skipped(gen):
     rows[live.long()] = live
     dest = torch.arange(T, dtype=torch.int32)
     write, read = steering_gate(F, gen), softmax_dot(F, gen)
-    for run in (generated.run_program, generated.run_program_torch):
+    for run in (program_kernel.run_program, program_torch.run_program_torch):
         gated, expected = x.clone(), x.clone()
         run(gated, rows, write, None)
-        generated.run_program_torch(expected, live, write, None)
+        program_torch.run_program_torch(expected, live, write, None)
         assert_matches(gated, expected)
         out, reference = torch.full((T, 1), SENTINEL), torch.full((T, 1), SENTINEL)
         run(x, rows, read, None, out, dest)
-        generated.run_program_torch(x, live, read, None, reference, live)
+        program_torch.run_program_torch(x, live, read, None, reference, live)
         assert_matches(out, reference)
 
 
@@ -346,35 +347,35 @@ def test_malformed_programs_are_refused(gen):
     p = Program()
     p.op("sum", p.op("x", shape=(F,)), shape=(F,))
     with pytest.raises(ValueError, match=r"op 1 \(sum\): declared shape \(96,\)"):
-        generated.run_program(x, rows, p.build(), None)
+        program_kernel.run_program(x, rows, p.build(), None)
     p = Program()
     p.op("add", p.op("x", shape=(F,)), p.const(torch.ones(5)), shape=(F,))
     with pytest.raises(ValueError, match="do not broadcast"):
-        generated.run_program_torch(x, rows, p.build(), None)
+        program_torch.run_program_torch(x, rows, p.build(), None)
     with pytest.raises(ValueError, match="a write's result has shape"):
-        generated.run_program(x, rows, softmax_dot(F, gen), None)
+        program_kernel.run_program(x, rows, softmax_dot(F, gen), None)
     with pytest.raises(ValueError, match="const 0 must be fp32"):
         program = steering_gate(F, gen)
         program.consts[0] = program.consts[0][:50]
-        generated.run_program(x, rows, program, None)
+        program_kernel.run_program(x, rows, program, None)
 
 
 def test_limits_are_named(gen):
     wide = Program()
-    wide.matmul(wide.op("x", shape=(96,)), torch.zeros(96, generated.MAX_LANES + 1))
+    wide.matmul(wide.op("x", shape=(96,)), torch.zeros(96, program_format.MAX_LANES + 1))
     with pytest.raises(NotImplementedError, match=r"op 1 \(matmul\): a value of 8193 features"):
-        generated.generate_kernel(wide.build(), 96)
+        program_kernel.generate_kernel(wide.build(), 96)
     many = Program()
-    many.op("topk_mask", many.op("x", shape=(200,)), generated.MAX_TOPK + 1, shape=(200,))
+    many.op("topk_mask", many.op("x", shape=(200,)), program_format.MAX_TOPK + 1, shape=(200,))
     x, rows = randn(2, 200, gen=gen), torch.arange(2, dtype=torch.int32)
     with pytest.raises(NotImplementedError, match=r"op 1 \(topk_mask\): k = 129"):
-        generated.run_program(x, rows, many.build(), None, torch.zeros(2, 200), rows)
+        program_kernel.run_program(x, rows, many.build(), None, torch.zeros(2, 200), rows)
 
 
 # --- the real compiler ---------------------------------------------------------------------------
 def sm90_job(make, F, write):
     """What compiling make(F)'s kernel for an sm_90 GPU (H100, H200) with bf16 x takes."""
-    kernel, _ = generated.generate_kernel(make(F, torch.Generator().manual_seed(0)), F)
+    kernel, _ = program_kernel.generate_kernel(make(F, torch.Generator().manual_seed(0)), F)
     plan = kernel.plan
     pointers = {"x_ptr": "*bf16", "rows_ptr": "*i32", "table_index_ptr": "*i32", "dest_ptr": "*i32",
                 "out_ptr": "*bf16" if write else "*fp32", "scratch_ptr": "*fp32"}

@@ -1,4 +1,5 @@
-"""Tests of xmix_lens.models: model folders that load offline in transformers and TransformerLens.
+"""Tests of xmix_lens.model_files (embedded SmolLM2, cache, build-once) and tests/tiny_models.py:
+model folders that load offline in transformers and TransformerLens.
 
 The first run converts SmolLM2 from GGUF into the user cache (about 30 s); later runs reuse it.
 """
@@ -18,7 +19,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from xmix_lens import models
+from tests import tiny_models
+from xmix_lens import model_files
 
 PROMPTS = ["The capital of France is", "Hello world, how are you"]
 
@@ -45,11 +47,11 @@ def test_cache_dir_prefers_xmix_lens_cache_then_xdg_then_home(monkeypatch, tmp_p
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     monkeypatch.setenv("XMIX_LENS_CACHE", str(tmp_path / "own"))
-    assert models.cache_dir() == tmp_path / "own"
+    assert model_files.cache_dir() == tmp_path / "own"
     monkeypatch.delenv("XMIX_LENS_CACHE")
-    assert models.cache_dir() == tmp_path / "xdg" / "xmix-lens"
+    assert model_files.cache_dir() == tmp_path / "xdg" / "xmix-lens"
     monkeypatch.delenv("XDG_CACHE_HOME")
-    assert models.cache_dir() == tmp_path / "home" / ".cache" / "xmix-lens"
+    assert model_files.cache_dir() == tmp_path / "home" / ".cache" / "xmix-lens"
 
 
 # ---------------------------------------------------------------------------- resolve_model
@@ -57,7 +59,7 @@ def test_cache_dir_prefers_xmix_lens_cache_then_xdg_then_home(monkeypatch, tmp_p
 
 def test_resolve_model_explains_an_unknown_name():
     with pytest.raises(ValueError) as error:
-        models.resolve_model("gpt2-xl")
+        model_files.resolve_model("gpt2-xl")
     message = str(error.value)
     assert "'gpt2-xl'" in message
     assert "smollm2-135m" in message  # the embedded names
@@ -67,33 +69,33 @@ def test_resolve_model_explains_an_unknown_name():
 
 def test_resolve_model_explains_a_folder_without_config(tmp_path):
     with pytest.raises(ValueError, match="has no config.json"):
-        models.resolve_model(str(tmp_path))
+        model_files.resolve_model(str(tmp_path))
 
 
 def test_resolve_model_returns_a_local_folder_as_is(tmp_path):
     (tmp_path / "config.json").write_text("{}")
-    assert models.resolve_model(str(tmp_path)) == tmp_path
+    assert model_files.resolve_model(str(tmp_path)) == tmp_path
 
 
 @pytest.mark.parametrize(
     "name", ["smollm2-135m", "SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct"]
 )
 def test_resolve_model_finds_embedded_smollm2(name):
-    assert models.resolve_model(name) == models.ensure_smollm2()
+    assert model_files.resolve_model(name) == model_files.ensure_smollm2()
 
 
 # ---------------------------------------------------------------------------- SmolLM2
 
 
 def test_smollm2_folder_keeps_the_gguf_architecture():
-    config = json.loads((models.ensure_smollm2() / "config.json").read_text())
+    config = json.loads((model_files.ensure_smollm2() / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"]
     assert config["tie_word_embeddings"] is True  # as in the GGUF file
     assert (config["num_hidden_layers"], config["hidden_size"]) == (30, 576)
 
 
 def test_smollm2_knows_the_capital_of_france():
-    tokenizer, model = load_hf(models.ensure_smollm2())
+    tokenizer, model = load_hf(model_files.ensure_smollm2())
     # Plain text, no chat template: the model must be the trained one, not random weights.
     ids = tokenizer("The capital of France is", return_tensors="pt").input_ids
     with torch.no_grad():
@@ -103,7 +105,7 @@ def test_smollm2_knows_the_capital_of_france():
 
 # ---------------------------------------------------------------------------- tiny models
 
-TINY_BUILDERS = [models.tiny_llama, models.tiny_gpt2]
+TINY_BUILDERS = [tiny_models.tiny_llama, tiny_models.tiny_gpt2]
 
 
 @pytest.mark.parametrize("build", TINY_BUILDERS)
@@ -111,7 +113,7 @@ def test_tiny_model_is_rebuilt_byte_for_byte_from_its_seed(build, monkeypatch, t
     cached = build()
     # Build again from scratch in an empty cache; tiny_llama takes its tokenizer from the
     # converted SmolLM2, which is linked in rather than converted again.
-    (tmp_path / "smollm2-135m-instruct").symlink_to(models.ensure_smollm2())
+    (tmp_path / "smollm2-135m-instruct").symlink_to(model_files.ensure_smollm2())
     monkeypatch.setenv("XMIX_LENS_CACHE", str(tmp_path))
     rebuilt = build()
     assert rebuilt != cached
@@ -137,17 +139,17 @@ def test_tiny_model_logits_spread_and_depend_on_the_prompt(build):
 
 
 def test_tiny_models_have_the_requested_shapes():
-    llama = json.loads((models.tiny_llama() / "config.json").read_text())
+    llama = json.loads((tiny_models.tiny_llama() / "config.json").read_text())
     assert (llama["hidden_size"], llama["num_hidden_layers"], llama["head_dim"]) == (128, 2, 32)
     assert (llama["num_attention_heads"], llama["num_key_value_heads"]) == (4, 2)
     assert (llama["vocab_size"], llama["tie_word_embeddings"]) == (49152, False)
-    gpt2 = json.loads((models.tiny_gpt2() / "config.json").read_text())
+    gpt2 = json.loads((tiny_models.tiny_gpt2() / "config.json").read_text())
     assert (gpt2["n_embd"], gpt2["n_layer"], gpt2["n_head"], gpt2["n_inner"]) == (128, 2, 4, 512)
     assert gpt2["vocab_size"] == 50257
 
 
 def test_tiny_gpt2_has_gpt2s_tokenizer():
-    tokenizer = AutoTokenizer.from_pretrained(models.tiny_gpt2())
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models.tiny_gpt2())
     assert tokenizer("Hello world").input_ids == [15496, 995]
     assert tokenizer.pad_token == tokenizer.eos_token == "<|endoftext|>"
 
@@ -155,7 +157,7 @@ def test_tiny_gpt2_has_gpt2s_tokenizer():
 # ---------------------------------------------------------------------------- TransformerLens
 
 
-@pytest.mark.parametrize("build", [models.tiny_llama, models.tiny_gpt2, models.ensure_smollm2])
+@pytest.mark.parametrize("build", [tiny_models.tiny_llama, tiny_models.tiny_gpt2, model_files.ensure_smollm2])
 def test_transformer_lens_boots_the_folder_with_hf_logits(build):
     from transformer_lens.model_bridge import TransformerBridge
 
@@ -183,7 +185,7 @@ def test_racing_builders_leave_one_finished_folder(tmp_path):
         both_building.wait()  # neither renames before the other has started
 
     threads = [
-        threading.Thread(target=lambda: results.append(models._build_once(target, build)))
+        threading.Thread(target=lambda: results.append(model_files._build_once(target, build)))
         for _ in range(2)
     ]
     for thread in threads:
@@ -191,6 +193,6 @@ def test_racing_builders_leave_one_finished_folder(tmp_path):
     for thread in threads:
         thread.join()
     assert results == [target, target]
-    assert (target / models.FINISHED_MARKER).is_file()
+    assert (target / model_files.FINISHED_MARKER).is_file()
     assert (target / "writer.txt").read_text() in {thread.name for thread in threads}
     assert [path.name for path in tmp_path.iterdir()] == ["model"]  # no temporary folders left

@@ -1,12 +1,12 @@
-"""The TransformerLens reference runner (xmix_lens.backend.reference) on a tiny random Llama."""
+"""The TransformerLens reference runner (compat_tests/reference.py) on a tiny random Llama."""
 
 from pathlib import Path
 
 import pytest
 import torch
 
-from xmix_lens import models
-from xmix_lens.backend.reference import TLReference
+from compat_tests.reference import TLReference
+from tests.tiny_models import tiny_llama
 
 TOL = 1e-4  # brief: TL logits equal HF transformers logits within this (fp32, eager attention)
 PROMPTS = ["The capital of France is", "Hi", "One two three four five six seven"]
@@ -14,7 +14,7 @@ PROMPTS = ["The capital of France is", "Hi", "One two three four five six seven"
 
 @pytest.fixture(scope="module")
 def tiny_llama_dir() -> Path:
-    return models.tiny_llama()
+    return tiny_llama()
 
 
 @pytest.fixture(scope="module")

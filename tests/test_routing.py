@@ -71,12 +71,19 @@ def test_thousand_mixed_requests_are_isolated(served):
     assert count_leaks(model, passes, model.run_batch(passes)) == 0
 
 
-def test_shifted_routing_is_caught(served):
+def test_shifted_routing_is_caught(served, monkeypatch):
+    """Each request's tokens routed as the next request's: the isolation check must see it."""
+    from xmix_lens.backend.vllm import runtime
+
     model = served[MODEL]
     passes = mixed_workload(model.cfg.d_model, 60, seed=99)
-    model.runtime.routing_shift = 1
-    try:
-        together = model.run_batch(passes)
-    finally:
-        model.runtime.routing_shift = 0
+    step_requests = runtime.adapter.step_requests
+
+    def shifted(runner):
+        req_ids, query_start = step_requests(runner)
+        return req_ids[1:] + req_ids[:1], query_start
+
+    monkeypatch.setattr(runtime.adapter, "step_requests", shifted)
+    together = model.run_batch(passes)
+    monkeypatch.undo()
     assert count_leaks(model, passes, together) > 5

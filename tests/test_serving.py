@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from xmix_lens import HookedServedModel, store
-from xmix_lens.models import tiny_llama
+from tests.tiny_models import tiny_llama
 
 MODEL = "tiny-llama"
 PROMPT = "The quick brown fox jumps over the lazy dog and then runs far away into the woods"
@@ -24,7 +24,7 @@ def steer(scale: float, d_model: int):
 def test_prefix_cache_is_shared_only_under_the_same_writes(served):
     model = served[MODEL]
     d = model.cfg.d_model
-    assert model.to_tokens(LONG_PROMPT).shape[1] > model.llm.llm_engine.vllm_config.cache_config.block_size
+    assert model.to_tokens(LONG_PROMPT).shape[1] > model.engine.llm.llm_engine.vllm_config.cache_config.block_size
     first = model.generate(LONG_PROMPT, max_new_tokens=4, do_sample=False, fwd_hooks=steer(2.0, d))
     again = model.generate(LONG_PROMPT, max_new_tokens=4, do_sample=False, fwd_hooks=steer(2.0, d))
     assert again == first
@@ -61,17 +61,17 @@ def test_chunked_prefill_loses_and_duplicates_no_reads(served, chunked):
     reference = served[MODEL]
     prompts = [PROMPT, PROMPT + " again and again", "Short one"]
     steps = []
-    begin = chunked.runtime.begin_step
+    begin = chunked.engine.runtime.begin_step
 
     def counting(positions):
         steps.append(positions.shape[0])
         begin(positions)
 
-    chunked.runtime.begin_step = counting
+    chunked.engine.runtime.begin_step = counting
     try:
         ours, cache = chunked.run_with_cache(prompts)
     finally:
-        del chunked.runtime.begin_step
+        del chunked.engine.runtime.begin_step
     lengths = [len(chunked.to_tokens(p)[0]) for p in prompts]
     # prompts spread over several steps of at most 16 tokens, each token computed once
     assert max(steps) <= 16 and len(steps) >= 3 and sum(steps) == sum(lengths)
@@ -123,19 +123,19 @@ def test_preemption_neither_loses_nor_duplicates(served, cramped):
         return [("blocks.0.hook_resid_post", probe), ("blocks.1.hook_resid_pre", gate)]
 
     seen = []
-    begin = cramped.runtime.begin_step
+    begin = cramped.engine.runtime.begin_step
 
     def recording(positions):
         begin(positions)
-        if cramped.runtime.step is not None:
-            step = cramped.runtime.step
+        if cramped.engine.runtime.step is not None:
+            step = cramped.engine.runtime.step
             seen.extend(zip(step.row.tolist(), step.decode.tolist(), positions.tolist()))
 
-    cramped.runtime.begin_step = recording
+    cramped.engine.runtime.begin_step = recording
     try:
         ours = cramped.generate(prompts, max_new_tokens=120, do_sample=False, return_type="tokens", fwd_hooks=hooks())
     finally:
-        del cramped.runtime.begin_step
+        del cramped.engine.runtime.begin_step
     assert len(seen) > len(set(seen)), "no position was computed twice: the engine did not preempt"
     alone = [reference.generate(p, max_new_tokens=120, do_sample=False, return_type="tokens", fwd_hooks=hooks())[0]
              for p in prompts]

@@ -8,7 +8,7 @@ import torch
 
 from xmix_lens import App, HookedServedModel
 from xmix_lens.backend.vllm import sharding
-from xmix_lens.models import tiny_llama
+from tests.tiny_models import tiny_llama
 
 MODEL = "tiny-llama"
 PROMPTS = ["The cat sat on the mat and looked", "One two three", "A quick brown fox jumps over"]
@@ -138,7 +138,7 @@ def test_installed_apps_under_tp2(tp1, tp2):
         for app in apps:
             model.install(app)
         try:
-            assert set(model.runtime.installed) >= {"tp-shift", "tp-zprobe"}
+            assert set(model.engine.runtime.installed) >= {"tp-shift", "tp-zprobe"}
             runs.append(model.run_with_hooks(PROMPTS, apps=[["tp-shift", "tp-zprobe"], [], ["tp-zprobe"]],
                                              padding_side="left"))
             model.set_params("tp-shift", s=-apps[0].params["s"])
@@ -153,7 +153,7 @@ def test_installed_apps_under_tp2(tp1, tp2):
             for key in one.outputs[app]:
                 torch.testing.assert_close(two.outputs[app][key], one.outputs[app][key], equal_nan=True, **TOL)
     assert not torch.allclose(a1.result, b1.result)  # the apps did something
-    assert "tp-shift" not in tp2.runtime.installed
+    assert "tp-shift" not in tp2.engine.runtime.installed
 
 
 def test_reads_come_home_from_rank_0_only(tp2):
@@ -162,8 +162,8 @@ def test_reads_come_home_from_rank_0_only(tp2):
     tp2.install(app)
     try:
         tp2.run_with_hooks(PROMPTS[:1], apps=[[app.name]])
-        assert tp2.runtime.read("tp_rank") == [0, 1]
-        assert tp2.runtime.read("control.delivers") == [True, False]
+        assert tp2.engine.runtime.read("tp_rank") == [0, 1]
+        assert tp2.engine.runtime.read("control.delivers") == [True, False]
     finally:
         tp2.uninstall(app.name)
 
@@ -183,8 +183,8 @@ def test_errors_under_tp_name_the_problem_and_leave_the_engine_usable(tp1, tp2):
             tp2.run_with_hooks(PROMPTS[:1], apps=[["tp-nope"]])
         ops, _ = tp2._lower_app(app.name, app.fwd_hooks)
         with pytest.raises(ValueError, match="installed already"):  # raised in the workers, sent back as is
-            tp2.runtime.install_app(app.name, ops)
-        assert tp2.runtime.read("installed")[1].keys() == tp2.runtime.installed.keys()
+            tp2.engine.runtime.install_app(app.name, ops)
+        assert tp2.engine.runtime.read("installed")[1].keys() == tp2.engine.runtime.installed.keys()
     finally:
         tp2.uninstall(app.name)
     torch.testing.assert_close(tp2(PROMPTS), tp1(PROMPTS), **TOL)

@@ -2,7 +2,11 @@
 
     from xmix_lens import HookedTransformer      # was: from transformer_lens import HookedTransformer
     model = HookedTransformer.from_pretrained("smollm2-135m")
+
+The names below are imported on first use, so that `import xmix_lens.ir` (or trace, lower) loads
+the hook IR alone: no vLLM, no model code (docs/architecture.md, "Layers").
 """
+import importlib
 import os
 
 # vLLM reads these when it is imported: the in-process engine (the model object and the site
@@ -10,13 +14,21 @@ import os
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-from .app import App, AppRun  # noqa: E402
-from .cache import ActivationCache  # noqa: E402
-from .functional import topk_mask  # noqa: E402
-from .hook_points import HookPoint  # noqa: E402
-from .model import HookedServedConfig, HookedServedModel, HookedTransformer  # noqa: E402
-from .stores import store  # noqa: E402
-from .trace import TraceError  # noqa: E402
+_EXPORTS = {
+    "ActivationCache": "cache", "App": "app", "AppRun": "app", "HookPoint": "hook_points",
+    "HookedServedConfig": "model", "HookedServedModel": "model", "HookedTransformer": "model",
+    "TraceError": "trace", "store": "stores", "topk_mask": "functional",
+}
+__all__ = sorted(_EXPORTS)
 
-__all__ = ["ActivationCache", "App", "AppRun", "HookPoint", "HookedServedConfig", "HookedServedModel", "HookedTransformer",
-           "TraceError", "store", "topk_mask"]
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'xmix_lens' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -1,16 +1,18 @@
-"""Hook points: TransformerLens's names and bookkeeping, for a model served by vLLM.
+"""Hook points: TransformerLens's names, feature shapes and bookkeeping, for a served model.
 
 As in TransformerLens, a `HookPoint` is one named place in the forward pass holding the functions
 added to it (`fwd_hooks`), and `hook_dict` maps every name to its HookPoint. Unlike TransformerLens
 the functions are not called by the forward pass itself: they are traced when a pass starts and run
 in the engine as lowered programs (see trace.py, lower.py).
+
+The names of a model, in the order TransformerLens fires them, and the per-token feature shape of
+each hook point's act are defined here, for every backend: a backend places each name somewhere in
+its engine (backend/vllm/sites.py) and numbers sites by their index in `hook_names`.
 """
 import difflib
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-
-from .backend.vllm.sites import site_names
 
 # TransformerLens 4.x bridge names -> the 3.x name they alias (same HookPoint)
 _ALIASES = {
@@ -77,8 +79,53 @@ class HookPoint:
         return f"HookPoint({self.name!r}, {len(self.fwd_hooks)} hooks)"
 
 
+# One block's hook points in firing order (TransformerLens's order; the same in every family).
+BLOCK_POINTS = ("hook_resid_pre", "ln1.hook_normalized", "attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.hook_z",
+                "hook_attn_out", "hook_resid_mid", "ln2.hook_normalized", "mlp.hook_pre", "mlp.hook_post",
+                "hook_mlp_out", "hook_resid_post")
+# What comes before the blocks, per family: GPT-2 adds learned position embeddings.
+EMBEDDING_POINTS = {"llama": ("hook_embed",), "gpt2": ("hook_embed", "hook_pos_embed")}
+FAMILIES = tuple(EMBEDDING_POINTS)
+
+
+def hook_names(family: str, n_layers: int) -> list[str]:
+    """Every hook point of a model, in firing order (a backend's site id is the index here)."""
+    if family not in EMBEDDING_POINTS:
+        raise ValueError(f"unknown model family {family!r}; supported: {list(FAMILIES)}")
+    blocks = [f"blocks.{L}.{point}" for L in range(n_layers) for point in BLOCK_POINTS]
+    return [*EMBEDDING_POINTS[family], *blocks, "ln_final.hook_normalized"]
+
+
+def _dims(cfg) -> dict[str, int]:
+    """d_model, n_heads, n_kv_heads, d_head, d_mlp from an HF config (Llama or GPT-2; GPT2Config maps
+    hidden_size / num_attention_heads to n_embd / n_head) or a TransformerLens-style config."""
+    def first(*names):
+        return next((v for n in names if (v := getattr(cfg, n, None)) is not None), None)
+
+    d_model = first("hidden_size", "n_embd", "d_model")
+    n_heads = first("num_attention_heads", "n_head", "n_heads")
+    return {"d_model": d_model, "n_heads": n_heads,
+            "n_kv_heads": first("num_key_value_heads", "n_key_value_heads") or n_heads,
+            "d_head": first("head_dim", "d_head") or d_model // n_heads,
+            "d_mlp": first("intermediate_size", "n_inner", "d_mlp") or 4 * d_model}
+
+
+def feature_shape(name: str, config) -> tuple[int, ...]:
+    """The per-token feature shape of a hook point's act, as in TransformerLens: act is
+    [batch, pos, *feature_shape]. `config`: an HF config or a TransformerLens-style one."""
+    d = _dims(config)
+    point = re.sub(r"^blocks\.\d+\.", "", name)
+    if point in ("attn.hook_q", "attn.hook_z"):
+        return (d["n_heads"], d["d_head"])
+    if point in ("attn.hook_k", "attn.hook_v"):
+        return (d["n_kv_heads"], d["d_head"])
+    if point in ("mlp.hook_pre", "mlp.hook_post"):
+        return (d["d_mlp"],)
+    return (d["d_model"],)
+
+
 def make_hook_dict(family: str, n_layers: int) -> dict[str, HookPoint]:
-    return {name: HookPoint(name) for name in site_names(family, n_layers)}
+    return {name: HookPoint(name) for name in hook_names(family, n_layers)}
 
 
 def resolve(hook_dict: dict[str, HookPoint], name_or_filter: str | Callable[[str], bool]) -> list[str]:

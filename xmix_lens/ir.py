@@ -16,34 +16,18 @@ Ops (n: a node, c: a constant tensor):
   reshape(n, shape) / permute(n, dims)   of the feature dims only
   linear(n, fn)                  a linear map of the feature dims by a constant (matmul, einsum,
                                  sum over features): fn is applied to an identity basis to get it
-  <pointwise>(n, ...)            add sub mul div neg abs pow relu gelu sigmoid tanh exp log
-                                 gt ge lt le eq ne logical_and logical_or logical_not where clamp
-  <reduce>(n)                    max min norm over the last feature dim (sum/mean are `linear`)
+  <elementwise>(n, ...)          the op table's elementwise ops (xmix_lens/ops.py): add sub mul div
+                                 neg abs pow relu gelu sigmoid tanh exp log gt ge lt le eq ne
+                                 logical_and logical_or logical_not where clamp
+  <reduction>(n)                 max min norm over the last feature dim (sum/mean are `linear`)
   softmax(n) / topk_mask(n, k)   over the last feature dim
   store(spec)                    a value another hook point put into a store (see store.py)
 """
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
-from .functional import topk_mask
-
-POINTWISE: dict[str, Callable] = {
-    "add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div, "neg": torch.neg, "abs": torch.abs,
-    "pow": torch.pow, "relu": torch.relu, "gelu": F.gelu, "sigmoid": torch.sigmoid, "tanh": torch.tanh,
-    "exp": torch.exp, "log": torch.log,
-    "gt": lambda a, b: (a > b).float(), "ge": lambda a, b: (a >= b).float(), "lt": lambda a, b: (a < b).float(),
-    "le": lambda a, b: (a <= b).float(), "eq": lambda a, b: (a == b).float(), "ne": lambda a, b: (a != b).float(),
-    "logical_and": lambda a, b: ((a != 0) & (b != 0)).float(), "logical_or": lambda a, b: ((a != 0) | (b != 0)).float(),
-    "logical_not": lambda a: (a == 0).float(), "where": lambda c, a, b: torch.where(c != 0, a, b),
-    "clamp": lambda a, lo, hi: torch.clamp(a, lo, hi),
-}
-REDUCE: dict[str, Callable] = {
-    "max": lambda a: a.amax(-1), "min": lambda a: a.amin(-1), "norm": lambda a: a.norm(dim=-1),
-}
-
+from .ops import OPS
 
 @dataclass(eq=False)
 class Node:
@@ -123,14 +107,8 @@ def evaluate(graph: Graph, act: torch.Tensor, stores: dict | None = None) -> dic
             env[n] = a[0]
         elif n.op == "store":
             env[n] = stores[a[0]]
-        elif n.op in POINTWISE:
-            env[n] = POINTWISE[n.op](*a)
-        elif n.op in REDUCE:
-            env[n] = REDUCE[n.op](a[0])
-        elif n.op == "softmax":
-            env[n] = a[0].softmax(-1)
-        elif n.op == "topk_mask":
-            env[n] = topk_mask(a[0], a[1])
+        elif n.op in OPS and OPS[n.op].torch is not None:  # elementwise ops, reductions, softmax, topk_mask
+            env[n] = OPS[n.op].torch(*a)
         elif n.op == "linear":
             env[n] = a[1](a[0])
         elif n.op == "reshape":

@@ -19,8 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .ir import POINTWISE, REDUCE, Graph, Node
+from .ir import Graph, Node
 from .lowered import AffineWrite, GeneratedRead, GeneratedWrite, LoweredOp, Read, TokenOp, TokenProgram
+from .ops import OPS
 from .trace import TraceError
 
 
@@ -272,7 +273,7 @@ class Lowerer:
             raise _fail(n, self.graph, f"{n.op} of constants only")
         like = next((a for a in traced if a.version is not None), traced[0])
         length = None if n.feature_shape == () else _numel(n.feature_shape)
-        if n.op in REDUCE or n.op in ("softmax", "topk_mask"):
+        if n.op in OPS and OPS[n.op].kind in ("reduction", "row"):
             if len(like.feature_shape) != 1:
                 raise _fail(n, self.graph, f"{n.op} over the last dim is supported on values with one feature dim")
         if n.op == "linear":
@@ -289,7 +290,8 @@ class Lowerer:
         operands = []
         for a in args:
             if isinstance(a, (Affine, Expr)):
-                operands.append(self.as_expr(self.widen(a, n.feature_shape) if n.op in POINTWISE else a))
+                elementwise = n.op in OPS and OPS[n.op].kind == "elementwise"
+                operands.append(self.as_expr(self.widen(a, n.feature_shape) if elementwise else a))
             elif isinstance(a, torch.Tensor):
                 c = self.per_token(a, like.span, n.feature_shape, n)
                 operands.append(Expr("table" if c.dim() == 3 else "const", (c if c.dim() == 3 or length else c.reshape(()),),

@@ -7,6 +7,7 @@ contents of its tensors, so changing a parameter never changes code.
 """
 import hashlib
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 
@@ -48,9 +49,8 @@ class Read:
 
 
 # --- generated programs: what falls outside the parametric templates -----------------------------
-@dataclass
-class TokenOp:
-    """One op of a per-token program; args are indices of earlier ops or Python numbers.
+class TokenOp(NamedTuple):
+    """One op of a per-token program (xmix_lens.ops lists them); args are indices of earlier ops or Python numbers.
 
     In value arguments an int is an earlier op's index and a float is a number (`mul v 2.0`).
 
@@ -75,8 +75,9 @@ class TokenOp:
     shape: tuple[int, ...]
 
 
-@dataclass
-class TokenProgram:
+class TokenProgram(NamedTuple):
+    """A per-token program as generated kernels take it: plain tuples and tensors, launch arguments."""
+
     ops: list[TokenOp]
     consts: list[torch.Tensor]
     output: int  # index of the op whose value is the program's result

@@ -9,23 +9,20 @@ One forward pass (`run_with_hooks`, `run_with_cache`, `model(...)`) is:
      hook functions kept.
 """
 import contextlib
-import hashlib
-import os
-import tempfile
-import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from . import hook_points, stores
-from .backend.vllm.sites import feature_shape
+from .app import App, AppRegistry, AppRun, RowGroup, attached, group_rows, merged, resident_reads, snapshot
 from .cache import ActivationCache
 from .hook_points import HookPoint
 from .lower import lower
-from .lowered import AffineWrite, GeneratedWrite, Read, describe, op_digest
-from .models import resolve_model
-from .trace import Tracer
+from .lowered import Read, describe
+from .model_files import resolve_model
+from .passes import PassPlan, PhaseOps
+from .trace import TraceError, Tracer
 
 HookFn = Callable[..., torch.Tensor | None]
 HookSpec = tuple[str | Callable[[str], bool], HookFn]
@@ -68,19 +65,15 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
 class HookedServedModel:
     """A vLLM-served model with TransformerLens hooks. Build it with `from_pretrained`."""
 
-    def __init__(self, llm, model_dir, cfg: HookedServedConfig, tokenizer, runtime,
-                 unembed: tuple[torch.Tensor, torch.Tensor] | None):
-        # from_pretrained makes the model before its engine (llm, runtime, unembed None): installed
-        # apps are traced before the engine is built
-        self.llm, self.model_dir, self.cfg, self.tokenizer = llm, model_dir, cfg, tokenizer
-        self.runtime = runtime
-        # ln_final.hook_normalized -> logits, final norm weight folded in; fp32 on the host
-        self.W_U, self.b_U = unembed or (None, None)
+    def __init__(self, model_dir, cfg: HookedServedConfig, tokenizer):
+        # from_pretrained makes the model before its engine: installed apps are traced first
+        self.model_dir, self.cfg, self.tokenizer = model_dir, cfg, tokenizer
+        self.engine = None  # backend/vllm/engine.py's VllmEngine
         self.hook_dict: dict[str, HookPoint] = hook_points.make_hook_dict(cfg.family, cfg.n_layers)
         self.mod_dict = self.hook_dict
         # per hook point, the per-token feature shape of its act ((d_model,), (n_heads, d_head), ...)
-        self.feature_shapes = {name: feature_shape(cfg.family, name, cfg) for name in self.hook_dict}
-        self.last_run_stats: dict = {}  # requests, prompt tokens and prefix-cache hits of the last run
+        self.feature_shapes = {name: hook_points.feature_shape(name, cfg) for name in self.hook_dict}
+        self.app_registry = AppRegistry()  # installed apps and the default selection
 
     # --- construction ---------------------------------------------------------------------------
     @classmethod
@@ -91,10 +84,13 @@ class HookedServedModel:
 
         `armed` is the set of hook points compiled into the engine ("all": a research engine,
         every hook point ready without a rebuild). torch.compile stays on unless enforce_eager, and
-        so do CUDA graphs on a GPU. `apps` (objects with `name` and `fwd_hooks`) are installed as
-        the engine is built, so that its CUDA graphs contain them (see backend/vllm/control.py).
+        so do CUDA graphs on a GPU. `apps` (xmix_lens.App, or objects with `name` and `fwd_hooks`)
+        are installed as the engine is built, so that its CUDA graphs contain them (see
+        backend/vllm/control.py).
         """
         from transformers import AutoConfig, AutoTokenizer
+
+        from .backend.vllm.engine import VllmEngine
 
         torch_dtype = _DTYPES.get(dtype) if isinstance(dtype, str) else dtype
         if torch_dtype not in _DTYPES.values():
@@ -113,35 +109,13 @@ class HookedServedModel:
             tokenizer.pad_token = tokenizer.eos_token
         tokenizer.padding_side = "right"
 
-        from vllm import LLM
-
-        from .backend.vllm import adapter, control, remote
-        from .backend.vllm.sites import unembedding
-
-        _check_tensor_parallel(cfg, engine_kwargs)
+        model = cls(model_dir, cfg, tokenizer)
         armed_names = armed if armed == "all" else [hook_points.canonical_name(n) for n in armed]
-        model = cls(None, model_dir, cfg, tokenizer, None, None)
-        xmix_config = {"armed": armed_names}
-        with tempfile.TemporaryDirectory(prefix="xmix-apps-") as folder:
-            if apps:
-                # lowered now and installed while the engine builds its model: before CUDA-graph
-                # capture, so that the graphs contain the apps' launches
-                lowered = [(app.name, model._lower_app(app.name, app.fwd_hooks)[0]) for app in apps]
-                for name, ops in lowered:  # refused now, not halfway through building the engine
-                    control.check_resident(name, ops)
-                xmix_config["apps_file"] = os.path.join(folder, "apps.pt")
-                torch.save(lowered, xmix_config["apps_file"])
-            llm = LLM(model=str(model_dir), dtype=str(torch_dtype).removeprefix("torch."), enforce_eager=enforce_eager,
-                      max_model_len=max_model_len or min(cfg.n_ctx, 2048), skip_tokenizer_init=True,
-                      additional_config={"xmix_lens": xmix_config}, **engine_kwargs)
-        runner, model.runtime = adapter.bind(llm)
-        model.llm = llm
-        if runner is not None:
-            model.W_U, model.b_U = unembedding(runner.model, family, cfg.d_vocab)
-        else:  # every rank takes part in gathering the vocabulary shards; rank 0's answer
-            model.W_U, model.b_U = llm.collective_rpc(remote.unembedding_of, args=(family, cfg.d_vocab))[0]
-        from .app import App
-
+        # lowered now, resident while the engine builds its model: before CUDA-graph capture
+        resident = [(app.name, model._lower_app(app.name, app.fwd_hooks)[0]) for app in apps]
+        model.engine = VllmEngine.build(model_dir, family, torch_dtype, cfg.n_heads,
+                                        max_model_len or min(cfg.n_ctx, 2048), enforce_eager, armed_names, resident,
+                                        cfg.d_vocab, **engine_kwargs)
         for app in apps:  # xmix_lens.App objects join the model's registry too (selectable by apps=)
             if isinstance(app, App):
                 model.install(app)
@@ -149,10 +123,22 @@ class HookedServedModel:
 
     def shutdown(self) -> None:
         """Stop the engine's workers now (under TP, its worker processes exit) rather than at
-        interpreter exit. Other engines in this process keep running: vLLM's own engine shutdown
-        would also tear down this process's distributed state, which in-process engines share."""
-        from .backend.vllm import adapter
-        adapter.shutdown_workers(self.llm)
+        interpreter exit; other engines in this process keep running."""
+        self.engine.shutdown()
+
+    @property
+    def W_U(self) -> torch.Tensor:
+        """[d_model, d_vocab]: ln_final.hook_normalized -> logits, the final norm's weight folded in."""
+        return self.engine.W_U
+
+    @property
+    def b_U(self) -> torch.Tensor:
+        return self.engine.b_U
+
+    @property
+    def last_run_stats(self) -> dict:
+        """Requests, prompt tokens and prefix-cache hits of the last call."""
+        return self.engine.last_run_stats
 
     # --- tokens (TransformerLens's rules) -------------------------------------------------------
     def _tokenize(self, input: str | list[str], prepend_bos: bool | None, padding_side: str | None):
@@ -310,84 +296,134 @@ class HookedServedModel:
         return [n for n in self.hook_dict if n in wanted]
 
     def forward(self, input, return_type: str | None = "logits", prepend_bos: bool | None = None,
-                padding_side: str | None = None, attention_mask=None, loss_per_token: bool = False):
-        job = self._forward_job(input, return_type, prepend_bos, padding_side, attention_mask, loss_per_token)
-        ((p, _),) = self._run_passes([job.run])
-        return job.finish(p)
+                padding_side: str | None = None, attention_mask=None, loss_per_token: bool = False, apps=None):
+        """One forward pass with the hooks on the hook points. With `apps` (names, or one list per
+        row; or apps made active by `activate`), an AppRun: the result and what the apps read."""
+        call = self._forward_call(input, return_type, prepend_bos, padding_side, attention_mask, loss_per_token, apps)
+        return call.finish(self._run(call.plans))
 
     def run_batch(self, requests: Sequence[tuple], return_type: str | None = "logits", **kwargs) -> list:
         """Forward passes that each have their own hooks, served together in one engine.
 
-        `requests`: (input, fwd_hooks) pairs. All their rows are in flight at once (vLLM batches
-        them as it likes); each pass's hooks touch only its own rows. Returns what
-        `run_with_hooks(input, fwd_hooks, return_type)` would, per pair."""
-        jobs = []
-        for input, fwd_hooks in requests:
+        `requests`: (input, fwd_hooks) pairs, or (input, fwd_hooks, apps) triples. All their rows are
+        in flight at once (vLLM batches them as it likes); each pass's hooks touch only its own rows.
+        Returns what `run_with_hooks(input, fwd_hooks, return_type, apps=apps)` would, per request."""
+        calls = []
+        for i, request in enumerate(requests):
+            if not isinstance(request, (tuple, list)) or len(request) not in (2, 3):
+                raise ValueError(f"request {i}: use (input, fwd_hooks) or (input, fwd_hooks, apps); got {request!r}")
+            input, fwd_hooks, *apps = request
             with self.hooks(fwd_hooks):
-                jobs.append(self._forward_job(input, return_type, **kwargs))
-        return [job.finish(p) for job, (p, _) in zip(jobs, self._run_passes([job.run for job in jobs]))]
+                calls.append(self._forward_call(input, return_type, apps=apps[0] if apps else None, **kwargs))
+        outcomes = self._run([plan for call in calls for plan in call.plans])
+        results, at = [], 0
+        for call in calls:
+            results.append(call.finish(outcomes[at: at + len(call.plans)]))
+            at += len(call.plans)
+        return results
 
-    def _forward_job(self, input, return_type, prepend_bos=None, padding_side=None, attention_mask=None,
-                     loss_per_token=False) -> "_Job":
-        """Trace the hooks on the hook points for one forward pass (checks all input first)."""
+    def _forward_call(self, input, return_type, prepend_bos=None, padding_side=None, attention_mask=None,
+                      loss_per_token=False, apps=None) -> "_Call":
+        """The passes of one forward call and how their outcomes become its result. Everything is
+        checked and traced here, before anything runs: one pass without apps, else one pass per
+        group of rows that select the same apps."""
         if return_type not in ("logits", "loss", "both", None):
             raise ValueError(f"return_type {return_type!r}: use 'logits', 'loss', 'both' or None")
         tokens, mask, rows, offsets = self._rows(input, prepend_bos, padding_side, attention_mask)
         self._check_length(max(len(r) for r in rows))
-        traced = self._trace_hooks(*tokens.shape)
-        if return_type is not None:
-            traced.ops.setdefault(_FINAL, []).append(Read(_LOGITS_KEY, None, True, None, None, (self.cfg.d_model,)))
+        selection = self.app_registry.selection(apps, len(rows))
+        groups = self._groups(selection, len(rows))
+        plans = []
+        for g in groups:
+            traced = self._traced_apps(g)
+            with attached(self.hook_dict, traced):
+                # the whole batch's padded width, so that every group's logits and reads line up
+                prompt = self._trace_hooks(len(g.rows), tokens.shape[1])
+            if return_type is not None:
+                prompt.ops.setdefault(_FINAL, []).append(Read(_LOGITS_KEY, None, True, None, None, (self.cfg.d_model,)))
+            g.outputs = snapshot(traced)
+            plans.append(self._plan(g, rows, offsets, prompt))
 
-        def finish(p):
-            if return_type is None:
-                return None
-            logits = p.result(_LOGITS_KEY) @ self.W_U + self.b_U
-            if return_type == "logits":
-                return logits
-            loss = _next_token_loss(logits, tokens, mask, loss_per_token)
-            return loss if return_type == "loss" else (logits, loss)
+        def finish(outcomes: list) -> object:
+            logits = None
+            if return_type is not None:
+                logits = torch.empty(tokens.shape + (self.cfg.d_vocab,))
+                for g, outcome in zip(groups, outcomes):
+                    logits[g.rows] = self.engine.logits(outcome.results.result(_LOGITS_KEY))
+            result = logits
+            if return_type in ("loss", "both"):
+                loss = _next_token_loss(logits, tokens, mask, loss_per_token)
+                result = loss if return_type == "loss" else (logits, loss)
+            if selection is None:
+                return result
+            for g, outcome in zip(groups, outcomes):
+                g.outputs.update(resident_reads(self.app_registry, g, outcome.results.app_results,
+                                                [offsets[i] for i in g.rows], tokens.shape[1], self.cfg.dtype)[0])
+            return AppRun(result, merged(groups, len(rows), "outputs"), {}, selection)
 
-        return _Job((rows, offsets, traced, None, 1, {}), finish)
+        return _Call(plans, finish)
 
     def generate(self, input, max_new_tokens: int = 10, stop_at_eos: bool = True, eos_token_id: int | None = None,
                  do_sample: bool = True, top_k: int | None = None, top_p: float | None = None,
                  temperature: float = 1.0, prepend_bos: bool | None = None, padding_side: str | None = None,
                  return_type: str = "input", seed: int | None = None, fwd_hooks: Iterable[HookSpec] = (),
-                 verbose: bool = False):
+                 verbose: bool = False, apps=None):
         """Sample continuations with the hooks on the prompt and on every generated token.
 
         As TransformerLens's generate with its KV cache: each hook is traced for the prompt
         (act [batch, pos, ...]) and for generated tokens (act [batch, 1, ...], the newest token).
         Returns strings for string input (return_type "input" or "str"), else tokens [batch, pos + new]
-        with each row's prompt as given followed by its generated tokens (padded with the pad token)."""
+        with each row's prompt as given followed by its generated tokens (padded with the pad token).
+        With `apps` (or active apps), an AppRun whose `result` is that."""
         if return_type not in ("input", "str", "tokens"):
             raise ValueError(f"return_type {return_type!r}: use 'input', 'str' or 'tokens'")
         if max_new_tokens < 1:
             raise ValueError("max_new_tokens must be at least 1")
-        tokens, mask, rows, offsets = self._rows(input, prepend_bos, padding_side, None)
+        tokens, _, rows, offsets = self._rows(input, prepend_bos, padding_side, None)
         self._check_length(max(len(r) for r in rows) + max_new_tokens)
         sampling = {"temperature": temperature if do_sample else 0.0, "top_k": top_k if do_sample and top_k else 0,
                     "top_p": top_p if do_sample and top_p else 1.0, "seed": seed, "ignore_eos": not stop_at_eos}
         if eos_token_id is not None:
             sampling["stop_token_ids"] = [eos_token_id]
+        selection = self.app_registry.selection(apps, len(rows))
+        B, P = tokens.shape
         with self.hooks(fwd_hooks):
-            prompt = self._trace_hooks(*tokens.shape)
-            step = self._trace_hooks(tokens.shape[0], 1, inherited=prompt.per_request_stores, phase="decode")
-            ((_, outputs),) = self._run_passes([(rows, offsets, prompt, step, max_new_tokens, sampling)])
-        full = [r + list(out) for r, out in zip(rows, outputs)]
-        text_out = return_type == "str" or (return_type == "input" and not isinstance(input, torch.Tensor)
-                                            and (isinstance(input, str) or isinstance(input[0], str)))
-        if text_out:
+            groups = self._groups(selection, B)
+            plans = []
+            for g in groups:
+                traced = self._traced_apps(g)
+                with attached(self.hook_dict, traced):
+                    prompt = self._trace_hooks(len(g.rows), P)
+                    g.outputs = snapshot(traced)
+                    decode = self._trace_hooks(len(g.rows), 1, inherited=prompt.per_request_stores, phase="decode")
+                    g.generated_outputs = snapshot(traced)
+                plans.append(self._plan(g, rows, offsets, prompt, decode, max_new_tokens, sampling))
+        full: list = [None] * B
+        for g, plan, outcome in zip(groups, plans, self._run(plans)):
+            for row, new in zip(g.rows, outcome.tokens):
+                full[row] = rows[row] + list(new)
+            prompt_reads, newest_reads = resident_reads(self.app_registry, g, outcome.results.app_results,
+                                                        plan.offsets, P, self.cfg.dtype, [len(r) for r in plan.rows])
+            g.outputs.update(prompt_reads)
+            g.generated_outputs.update(newest_reads)
+        result = self._format_generated(input, full, return_type)
+        if selection is None:
+            return result
+        return AppRun(result, merged(groups, B, "outputs"), merged(groups, B, "generated_outputs"), selection)
+
+    def _format_generated(self, input, full: list[list[int]], return_type: str):
+        """Text for text input (or return_type "str"), else padded token rows."""
+        text_in = not isinstance(input, torch.Tensor) and (isinstance(input, str) or isinstance(input[0], str))
+        if return_type == "str" or (return_type == "input" and text_in):
             texts = [self.tokenizer.decode(t) for t in full]
             return texts[0] if isinstance(input, str) else texts
-        width = max(len(t) for t in full)
-        out = torch.full((len(full), width), self.tokenizer.pad_token_id, dtype=torch.long)
+        out = torch.full((len(full), max(len(t) for t in full)), self.tokenizer.pad_token_id, dtype=torch.long)
         for i, t in enumerate(full):
             out[i, : len(t)] = torch.tensor(t)
         return out
 
     def _check_length(self, n: int) -> None:
-        limit = self.llm.llm_engine.model_config.max_model_len
+        limit = self.engine.max_model_len
         if n > limit:
             raise ValueError(f"a request needs {n} positions; this engine's max_model_len is {limit} "
                              f"(from_pretrained(max_model_len=...))")
@@ -405,25 +441,22 @@ class HookedServedModel:
             lines += [f"    {describe(op)}" for op in traced.ops.get(graph.hook_name, [])]
         return "\n".join(lines) if lines else "no hooks"
 
-    def _trace_hooks(self, B: int, P: int, inherited=None, phase: str = "prefill") -> "TracedHooks":
+    # --- tracing and running passes -----------------------------------------------------------------
+    def _trace_hooks(self, B: int, P: int, inherited=None, phase: str = "prefill") -> PhaseOps:
         """Trace every hook function once for this view of the pass, in firing order, then lower
         each hook point. `inherited`: the prompt's per-request stores, seen by generated tokens."""
         session = stores.TraceSession(B, P, inherited=dict(inherited or {}))
         tracers, kept = [], []
-        stores.begin(session)
-        try:
-            for name, hp in self.hook_dict.items():
-                if hp.fwd_hooks:
-                    tracer = Tracer(name, (B, P) + self.feature_shapes[name], self.cfg.dtype, phase)
-                    for handle in list(hp.fwd_hooks):
-                        tracer.call(handle.hook, hp)
-                    kept += [((phase, name, key), p) for key, p in enumerate(tracer.finish())]
-                    tracers.append(tracer)
-        finally:
-            stores.begin(None)
-        session.allocate(self.runtime.device if self.runtime is not None else torch.device("cpu"))
+        for name, hp in self.hook_dict.items():
+            if hp.fwd_hooks:
+                tracer = Tracer(name, (B, P) + self.feature_shapes[name], self.cfg.dtype, session, phase)
+                for handle in list(hp.fwd_hooks):
+                    tracer.call(handle.hook, hp)
+                kept += [((phase, name, key), p) for key, p in enumerate(tracer.finish())]
+                tracers.append(tracer)
+        session.allocate(self.engine.device if self.engine is not None else torch.device("cpu"))
         ops = {t.graph.hook_name: site_ops for t in tracers if (site_ops := lower(t.graph))}
-        return TracedHooks(P, ops, kept, [t.graph for t in tracers], session.per_request())
+        return PhaseOps(P, ops, kept, [t.graph for t in tracers], session.per_request())
 
     def _lower_app(self, name: str, fwd_hooks: Iterable[HookSpec]) -> tuple[dict, list]:
         """An installed app's hooks, traced for one token ([1, 1, ...]: they run on every token of
@@ -434,174 +467,140 @@ class HookedServedModel:
             raise ValueError(f"app {name!r}: installed apps do not use stores yet; run its hooks with run_with_hooks")
         return traced.ops, traced.kept
 
-    def _install_resident(self, name: str, fwd_hooks: Iterable[HookSpec]) -> list:
-        """Install an app's lowered ops in the engine (graph-safe; see backend/vllm/control.py).
-        Returns its kept (read key, proxy) pairs, to name the values it reads."""
-        ops, kept = self._lower_app(name, fwd_hooks)
-        self.runtime.install_app(name, ops)
-        return kept
+    def _groups(self, selection: list[tuple[str, ...]] | None, n_rows: int) -> list[RowGroup]:
+        """One group of rows per app subset (all rows, no apps, without a selection)."""
+        groups = group_rows(selection or [()] * n_rows)
+        if len(groups) > 1 and any(hp.fwd_hooks for hp in self.hook_dict.values()):
+            # each pass traces the other hooks again: what they keep would hold only the last pass's rows
+            raise ValueError("requests of one call select different apps while other hooks are on the hook points "
+                             "(fwd_hooks, add_hook, run_with_cache); put those hooks in an App, or use run_batch with "
+                             "one (input, fwd_hooks, apps) entry per app subset")
+        return groups
 
-    def _run_passes(self, jobs: list[tuple]) -> list[tuple]:
-        """Run passes together: each job is (rows, prompt offsets, prompt hooks, generated-token hooks
-        or None, max_new_tokens, sampling[, installed apps per row]). Returns (pass, each row's new
-        tokens) per job; with apps, `pass.app_results[row]` holds what they read for that row.
+    def _traced_apps(self, g: RowGroup) -> list[App]:
+        """The group's apps that run as traced hooks (the others are resident in the engine)."""
+        group_apps = [self.app_registry.apps[n] for n in g.apps]
+        for app in group_apps:
+            app.outputs.clear()
+        return [app for app in group_apps if app.name not in self.app_registry.resident]
 
-        The kept proxies of the hook functions become the values read (for generated tokens: the
-        last one's)."""
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
+    def _plan(self, g: RowGroup, rows, offsets, prompt: PhaseOps, decode: PhaseOps | None = None,
+              max_new_tokens: int = 1, sampling: dict | None = None) -> PassPlan:
+        resident = tuple(n for n in g.apps if n in self.app_registry.resident)
+        return PassPlan([rows[i] for i in g.rows], [offsets[i] for i in g.rows], prompt, decode, max_new_tokens,
+                        sampling or {}, [resident] * len(g.rows) if resident else None)
 
-        engine = self.llm.llm_engine
-        installed = self.runtime.installed
-        for job in jobs:  # unknown apps fail before anything is sent to the engine
-            for names in (job[6] if len(job) > 6 else ()):
-                unknown = sorted(set(names) - set(installed))
-                if unknown:
-                    raise KeyError(f"no app named {unknown[0]!r} is installed; installed: {sorted(installed)}")
-        pass_ids = self.runtime.begin_passes([
-            ([len(r) for r in rows], offsets, (prompt.padded_len, prompt.ops),
-             (step.padded_len, step.ops) if step is not None else None) for rows, offsets, prompt, step, *_ in jobs])
-        names = [[f"xmix-{pass_id}-{row}" for row in range(len(job[0]))] for pass_id, job in zip(pass_ids, jobs)]
-        routes, selections, outputs = {}, {}, {}
-        self.last_run_stats = {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0}
+    def _run(self, plans: list[PassPlan]) -> list:
+        """Run the passes in the engine; the proxies the hook functions kept become the values read
+        (for generated tokens: the last one's). Returns engine.PassOutcome per plan."""
+        outcomes = self.engine.run(plans)
+        for plan, outcome in zip(plans, outcomes):
+            for key, proxy in plan.prompt.kept + (plan.decode.kept if plan.decode is not None else []):
+                torch.utils.swap_tensors(proxy, outcome.results.result(key).to(self.cfg.dtype))
+        return outcomes
+
+    # --- apps (xmix_lens/app.py) ---------------------------------------------------------------------
+    @property
+    def apps(self) -> dict[str, App]:
+        """The installed apps by name, in install order."""
+        return dict(self.app_registry.apps)
+
+    def install(self, app: App) -> App:
+        """Check an app against this model (hook names, parameter sizes, that it traces) and install
+        it. Per-token apps become resident in the engine: selected per request by buffer writes,
+        inside its CUDA graphs when built with them (`from_pretrained(apps=...)`); others (position
+        selections, stores, per-token tables) are traced into each call's passes."""
+        if not isinstance(app, App):
+            raise TypeError(f"install takes an xmix_lens.App, got {type(app).__name__}")
+        if app.name in self.app_registry.apps:
+            raise ValueError(f"an app named {app.name!r} is already installed; uninstall it first, or change its "
+                             f"parameters with model.set_params({app.name!r}, ...)")
+        for hook_name, _ in app.fwd_hooks:
+            try:
+                hook_points.resolve(self.hook_dict, hook_name)
+            except ValueError as e:
+                raise ValueError(f"app {app.name!r}: {e}") from None
+        for key, (hook_name, dim) in app.param_sites.items():
+            (site,) = hook_points.resolve(self.hook_dict, hook_name)
+            want, shape = self.feature_shapes[site][-1], tuple(app.params[key].shape)
+            if len(shape) <= dim or shape[dim] != want:
+                raise ValueError(f"app {app.name!r}: param {key!r} has shape {list(shape)}, but {site} carries {want} "
+                                 f"features per token (act is {list(_INSTALL_TRACE_SHAPE + self.feature_shapes[site])}),"
+                                 f" so dim {dim} must be {want}; build the app from vectors of this model at this hook "
+                                 f"point")
+        self._check_traces(app)
+        self.app_registry.apps[app.name] = app
+        self._make_resident(app)
+        return app
+
+    def _check_traces(self, app: App) -> None:
+        """Trace the app alone, for a prompt and for generated tokens, so errors surface at install."""
         try:
-            for pass_id, pass_names, (rows, offsets, prompt, step, max_new_tokens, sampling, *selection) in zip(
-                    pass_ids, names, jobs):
-                row_apps = selection[0] if selection else [()] * len(rows)
-                params = SamplingParams(max_tokens=max_new_tokens, detokenize=False, **{"temperature": 0.0, **sampling})
-                salt = _cache_salt(prompt, step)
-                for row, toks in enumerate(rows):
-                    row_salt = _app_salt(installed, row_apps[row], salt)
-                    # vLLM makes the id unique (a suffix); the model runner sees that one
-                    internal = engine.add_request(pass_names[row],
-                                                  TokensPrompt(prompt_token_ids=toks, cache_salt=row_salt), params)
-                    routes[internal] = (pass_id, row)
-                    if row_apps[row]:
-                        selections[internal] = tuple(row_apps[row])
-            # one call before the first step (one RPC under TP): where each request's tokens belong
-            self.runtime.route(routes, selections)
-            while engine.has_unfinished_requests():
-                for out in engine.step():
-                    if out.finished:
-                        outputs[out.request_id] = list(out.outputs[0].token_ids)
-                        self.last_run_stats["requests"] += 1
-                        self.last_run_stats["prompt_tokens"] += len(out.prompt_token_ids or ())
-                        self.last_run_stats["cached_tokens"] += out.num_cached_tokens or 0
+            with attached(self.hook_dict, [app]):
+                prompt = self._trace_hooks(*_INSTALL_TRACE_SHAPE)
+                self._trace_hooks(_INSTALL_TRACE_SHAPE[0], 1, inherited=prompt.per_request_stores, phase="decode")
+        except (TraceError, KeyError, ValueError, RuntimeError) as e:
+            sizes = {k: list(v.shape) for k, v in app.params.items()}
+            raise ValueError(f"app {app.name!r} does not trace on this model ({e}); its params have shapes {sizes}: "
+                             f"check that they match the hook points' sizes (docs/hook-points.md)") from e
         finally:
-            if len(outputs) < sum(map(len, names)):  # stopped by an error
-                engine.abort_request([n for pass_names in names for n in pass_names if n not in outputs])
-            finished = self.runtime.finish_passes(pass_ids, list(routes))
-        results = []
-        for p, pass_names, (_, _, prompt, step, *_) in zip(finished, names, jobs):
-            for key, proxy in prompt.kept + (step.kept if step is not None else []):
-                torch.utils.swap_tensors(proxy, p.result(key).to(self.cfg.dtype))
-            results.append((p, [outputs[name] for name in pass_names]))
-        return results
+            app.outputs.clear()
 
-    # --- apps (xmix_lens/app.py) ---
-    def install(self, app):
-        """Install an xmix_lens.App (checked and traced now); see xmix_lens/app.py."""
-        from . import app as apps
-        return apps.install(self, app)
+    def _make_resident(self, app: App) -> None:
+        """Install the app's ops in the engine itself when its hooks are per token and keep their
+        reads in app.outputs; otherwise it stays traced per call."""
+        try:
+            ops, kept = self._lower_app(app.name, app.fwd_hooks)
+            names = {id(value): key for key, value in app.outputs.items()}
+            if any(id(proxy) not in names for _, proxy in kept):
+                return  # it keeps values elsewhere than in app.outputs: only a traced pass returns them
+            reads = {key: (names[id(proxy)], tuple(proxy.shape[2:])) for key, proxy in kept}
+            self.engine.install_app(app.name, ops)
+            self.app_registry.resident[app.name] = reads
+        except (TraceError, ValueError, NotImplementedError):
+            return  # not per token: run per call
+        finally:
+            app.outputs.clear()
 
-    def uninstall(self, name: str):
-        from . import app as apps
-        return apps.uninstall(self, name)
+    def uninstall(self, name: str) -> App:
+        reg = self.app_registry
+        reg.check_names([name], "uninstall")
+        reg.deactivate([name])
+        if reg.resident.pop(name, None) is not None:
+            self.engine.uninstall_app(name)
+        return reg.apps.pop(name)
 
-    def activate(self, names, requests=None) -> None:
+    def activate(self, names, requests: Iterable[int] | None = None) -> None:
         """Run these apps in calls without `apps=`: for every request, or the rows in `requests`."""
-        from . import app as apps
-        apps.activate(self, names, requests)
+        self.app_registry.activate(names, requests)
 
-    def deactivate(self, names=None, requests=None) -> None:
-        from . import app as apps
-        apps.deactivate(self, names, requests)
+    def deactivate(self, names=None, requests: Iterable[int] | None = None) -> None:
+        """Undo `activate`: these apps (all, if names is None), for every request or for these rows."""
+        self.app_registry.deactivate(names, requests)
 
     def set_params(self, name: str, **values) -> int:
         """Update an installed app's parameter tensors in place; returns its new version."""
-        from . import app as apps
-        return apps.set_params(self, name, **values)
+        reg = self.app_registry
+        reg.check_names([name], "set_params")
+        app = reg.apps[name]
+        version = app.set_params(**values)
+        if name in reg.resident:  # the engine's copies of the lowered tensors, updated in place
+            try:
+                self.engine.set_app_params(name, self._lower_app(name, app.fwd_hooks)[0])
+            finally:
+                app.outputs.clear()
+        return version
 
-    @property
-    def apps(self) -> dict:
-        """The installed apps by name, in install order."""
-        from . import app as apps
-        return dict(apps.registry(self).apps)
 
-    # `apps=` on forward (so __call__, run_with_hooks, run_with_cache), run_batch and generate
-    from .app import with_apps_forward as _with_apps_forward
-    from .app import with_apps_generate as _with_apps_generate
-    from .app import with_apps_run_batch as _with_apps_run_batch
-    forward = _with_apps_forward(forward)
-    run_batch = _with_apps_run_batch(run_batch)
-    generate = _with_apps_generate(generate)
-    del _with_apps_forward, _with_apps_generate, _with_apps_run_batch
+_INSTALL_TRACE_SHAPE = (1, 16)  # the pass an app is traced for at install, to fail early on bad sizes
 
 
 @dataclass
-class _Job:
-    run: tuple  # the arguments of one pass for _run_passes
-    finish: Callable  # the pass -> what the caller returns
+class _Call:
+    """The passes of one call and the function that turns their outcomes into what it returns."""
 
-
-@dataclass
-class TracedHooks:
-    """The hooks of one view of a pass (the prompt, or each generated token), traced and lowered."""
-
-    padded_len: int
-    ops: dict[str, list]  # hook point -> lowered ops
-    kept: list  # (read key, proxy) pairs: proxies the hook functions kept
-    graphs: list
-    per_request_stores: dict
-
-
-def _cache_salt(prompt: "TracedHooks", step: "TracedHooks | None") -> str | None:
-    """vLLM's prefix-cache salt for a pass's requests.
-
-    KV computed under a pass's writes must never serve a request without the same writes, and a
-    pass that reads (or stores) prompt activations needs every position computed, not cached:
-    - no ops at all: no salt, the cache is shared with plain requests;
-    - only writes, the same for every request: a digest of the ops (same hooks and parameters
-      share KV; other parameters get other blocks);
-    - reads, stores or per-token tables: a fresh salt, nothing is reused."""
-    phases = [prompt] + ([step] if step is not None else [])
-    ops = [op for t in phases for site in sorted(t.ops) for op in t.ops[site]]
-    if not ops:
-        return None
-    if any(not isinstance(op, (AffineWrite, GeneratedWrite)) or isinstance(op, AffineWrite) and op.per_token_bias
-           or isinstance(op, GeneratedWrite) and any(o.op == "table" for o in op.program.ops) for op in ops):
-        return uuid.uuid4().hex
-    digest = hashlib.sha256()
-    for t in phases:
-        for site in sorted(t.ops):
-            digest.update(site.encode())
-            for op in t.ops[site]:
-                digest.update(op_digest(op))
-    return digest.hexdigest()
-
-
-def _check_tensor_parallel(cfg, engine_kwargs: dict) -> None:
-    """Refused before an engine is built: parallel layouts whose sites the runtime does not place."""
-    if engine_kwargs.get("pipeline_parallel_size", 1) != 1:
-        raise ValueError("pipeline_parallel_size > 1 is not supported: a rank would hold some layers' hook "
-                         "points only; use tensor_parallel_size")
-    world = engine_kwargs.get("tensor_parallel_size", 1)
-    if world > 1 and cfg.n_heads % world:
-        raise ValueError(f"tensor_parallel_size={world} does not divide the model's {cfg.n_heads} attention "
-                         "heads; vLLM shards heads evenly: choose a divisor")
-
-
-def _app_salt(installed: dict, names, salt: str | None) -> str | None:
-    """A request's prefix-cache salt with its installed apps: KV computed under an app's writes serves
-    only requests whose apps do the same (a digest of their ops: new parameters, or another app
-    reinstalled under the name, get other blocks); an app that reads needs every position
-    computed, so nothing is reused."""
-    if not names:
-        return salt
-    apps = [installed[n] for n in sorted(names)]
-    if any(app.reads for app in apps):
-        return uuid.uuid4().hex
-    return hashlib.sha256(repr((salt, [a.digest for a in apps])).encode()).hexdigest()
+    plans: list[PassPlan]
+    finish: Callable
 
 
 def _next_token_loss(logits: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor, per_token: bool):

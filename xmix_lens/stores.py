@@ -71,41 +71,36 @@ class TraceSession:
             spec.written = torch.zeros(self.batch, self.padded_len, dtype=torch.bool, device=device)
 
 
-_session: TraceSession | None = None
-
-
-def begin(session: TraceSession | None) -> None:
-    global _session
-    _session = session
-
-
 class RequestStore:
     """The `store` object hooks use: put() in one hook, get() in a later one."""
 
     def put(self, name: str, value, reduce: str | None = None) -> None:
-        from .trace import TracedTensor
+        from .trace import TracedTensor, current_tracer
 
-        if _session is None or not isinstance(value, TracedTensor):
+        tracer = current_tracer()
+        if tracer is None or not isinstance(value, TracedTensor):
             raise RuntimeError("store.put works inside a hook while xmix-lens traces it, with a value computed "
                                "from act")
+        session = tracer.session
         if reduce is not None and reduce not in REDUCTIONS:
             raise ValueError(f"reduce={reduce!r}: use one of {REDUCTIONS} or None (per token)")
-        if reduce is not None and name in _session.inherited:
+        if reduce is not None and name in session.inherited:
             return  # a reduction over the prompt: generated tokens keep the prompt's value
-        if name in _session.stores:
+        if name in session.stores:
             raise ValueError(f"store {name!r} is written twice in one pass; use another name")
-        value._tracer.store_put(name, value, reduce, _session)
+        value._tracer.store_put(name, value, reduce, session)
 
     def get(self, name: str):
         from .trace import current_tracer
 
         tracer = current_tracer()
-        if _session is None or tracer is None:
+        if tracer is None:
             raise RuntimeError("store.get works inside a hook while xmix-lens traces it")
-        spec = _session.find(name)
+        session = tracer.session
+        spec = session.find(name)
         if spec is None:
             raise KeyError(f"store {name!r} is read before any hook writes it (stores written so far: "
-                           f"{sorted(set(_session.stores) | set(_session.inherited))}); put it in a hook at an "
+                           f"{sorted(set(session.stores) | set(session.inherited))}); put it in a hook at an "
                            f"earlier hook point")
         return tracer.store_get(spec)
 

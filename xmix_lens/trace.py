@@ -8,6 +8,7 @@ keeps (stored in a dict or list it closes over) becomes a read; when the pass en
 in place, for the real tensor (`torch.utils.swap_tensors`), so the user's container holds values.
 Anything outside the IR raises `TraceError` naming the hook, the line and the supported form.
 """
+import contextvars
 import os
 import sys
 from collections import Counter
@@ -16,18 +17,23 @@ from collections.abc import Callable
 import torch
 
 from .ir import Graph, Node
-from .stores import StoreSpec
+from .ops import ELEMENTWISE, OPS, REDUCTIONS
+from .stores import StoreSpec, TraceSession
 
 
 class TraceError(Exception):
     """A hook function does something the hook IR cannot express."""
 
 
-_running: list["Tracer"] = []  # the tracer whose hook function is being called (innermost last)
+# The tracers whose hook functions are being called, innermost last: what `store.get` inside a hook,
+# and an op on a value kept from another hook point, are recorded into. A context variable, so that
+# threads tracing at once never see each other's.
+_calling: contextvars.ContextVar[tuple["Tracer", ...]] = contextvars.ContextVar("xmix_lens_calling", default=())
 
 
 def current_tracer() -> "Tracer | None":
-    return _running[-1] if _running else None
+    calling = _calling.get()
+    return calling[-1] if calling else None
 
 
 _OWN_DIRS = (os.path.dirname(__file__), os.path.dirname(torch.__file__))
@@ -56,22 +62,18 @@ SUPPORTED = (
 
 _METADATA = {"dim", "size", "numel", "__len__", "__format__", "__get__", "__repr__", "ndimension"}
 _IDENTITY = {"clone", "detach", "cpu", "to", "contiguous", "float", "cuda", "requires_grad_", "type_as"}
-_BINARY = {
-    "add": "add", "__add__": "add", "__radd__": "add", "sub": "sub", "__sub__": "sub", "subtract": "sub",
-    "__rsub__": "rsub", "rsub": "rsub", "mul": "mul", "__mul__": "mul", "__rmul__": "mul", "multiply": "mul",
-    "div": "div", "__truediv__": "div", "true_divide": "div", "divide": "div", "__rtruediv__": "rdiv",
-    "gt": "gt", "__gt__": "gt", "greater": "gt", "ge": "ge", "__ge__": "ge", "lt": "lt", "__lt__": "lt",
-    "less": "lt", "le": "le", "__le__": "le", "eq": "eq", "__eq__": "eq", "ne": "ne", "__ne__": "ne",
-    "logical_and": "logical_and", "__and__": "logical_and", "logical_or": "logical_or", "__or__": "logical_or",
-    "matmul": "matmul", "__matmul__": "matmul",
-}
-_UNARY = {"neg": "neg", "__neg__": "neg", "negative": "neg", "abs": "abs", "__abs__": "abs", "relu": "relu",
-          "gelu": "gelu", "sigmoid": "sigmoid", "tanh": "tanh", "exp": "exp", "log": "log",
-          "logical_not": "logical_not", "__invert__": "logical_not"}
-_REDUCE = {"sum": "sum", "mean": "mean", "max": "max", "amax": "max", "min": "min", "amin": "min",
-           "norm": "norm", "vector_norm": "norm"}
-_INPLACE = {"add_": "add", "__iadd__": "add", "sub_": "sub", "__isub__": "sub", "mul_": "mul", "__imul__": "mul",
-            "div_": "div", "__itruediv__": "div"}
+# torch's names for the op table's ops (xmix_lens/ops.py), and their in-place spellings
+_ELEMENTWISE = {alias: name for name, op in ELEMENTWISE.items() for alias in op.aliases}
+_REDUCE = {alias: name for name, op in REDUCTIONS.items() for alias in op.aliases}
+
+
+def _in_place(alias: str) -> str:
+    return f"__i{alias[2:]}" if alias.startswith("__") else f"{alias}_"
+
+
+_INPLACE = {_in_place(alias): name for alias, name in _ELEMENTWISE.items() if not alias.startswith("__r")}
+# reversed operands (2 - act), and act @ a constant (a linear map, not an elementwise op)
+_OTHER_BINARY = {"__rsub__": "rsub", "rsub": "rsub", "__rtruediv__": "rdiv", "matmul": "matmul", "__matmul__": "matmul"}
 _CONTROL_FLOW = {"__bool__", "item", "tolist", "__int__", "__float__", "__index__", "numpy", "any", "all"}
 
 
@@ -119,9 +121,12 @@ def _flat(args, kwargs):
 class Tracer:
     """Records the hooks of one hook point into one Graph."""
 
-    def __init__(self, hook_name: str, act_shape: tuple[int, ...], dtype: torch.dtype, phase: str = "prefill"):
+    def __init__(self, hook_name: str, act_shape: tuple[int, ...], dtype: torch.dtype,
+                 session: TraceSession | None = None, phase: str = "prefill"):
         self.graph = Graph(hook_name, act_shape, phase)
         self.dtype = dtype
+        # the stores of the pass being traced, shared by the tracers of all its hook points
+        self.session = session if session is not None else TraceSession(*act_shape[:2])
         self.proxies: list[TracedTensor] = []
         self.version = self.graph.add("act", (), act_shape, 2)
         self.act: TracedTensor | None = None  # the proxy handed to the hook being traced
@@ -140,11 +145,11 @@ class Tracer:
         """Trace fn(act, hook=hook) on the current version of act."""
         self.hook_label = f"{getattr(fn, '__name__', fn)} on {self.graph.hook_name}"
         act = self.act = self.proxy(self.version)
-        _running.append(self)
+        token = _calling.set(_calling.get() + (self,))
         try:
             result = fn(act, hook=hook)
         finally:
-            _running.pop()
+            _calling.reset(token)
         if result is None or (isinstance(result, TracedTensor) and result._node is self.version):
             return
         if not isinstance(result, TracedTensor) or result.shape != act.shape:
@@ -206,6 +211,13 @@ class Tracer:
                             f"{list(traced.shape)}")
         return self.add(op, (na, nb), shape, traced.token_dims)
 
+    def elementwise(self, name: str, args: tuple) -> Node:
+        """An elementwise op of the table on one value, or on two (broadcast)."""
+        if len(OPS[name].args) == 2:
+            return self.binary(name, args[0], args[1])
+        n = self.node_of(args[0])
+        return self.add(name, (n,), n.shape, n.token_dims)
+
     def linear(self, n: Node, fn: Callable, shape, label: str) -> Node:
         """A linear map of n's feature dims by constants; fn maps [k, *features] -> [k, *out_features]."""
         fn.label = label
@@ -253,13 +265,12 @@ class Tracer:
             if any(isinstance(a, torch.dtype) and not a.is_floating_point for a in list(args[1:]) + list(kwargs.values())):
                 raise self.fail("casting a traced value to a non-float dtype")
             return self.proxy(x._node)
-        if name in _BINARY and not kwargs:
-            return self.proxy(self.binary(_BINARY[name], x, args[1]))
+        if name in _OTHER_BINARY and not kwargs:
+            return self.proxy(self.binary(_OTHER_BINARY[name], x, args[1]))
+        if name in _ELEMENTWISE and not kwargs:
+            return self.proxy(self.elementwise(_ELEMENTWISE[name], args))
         if name in _INPLACE and not kwargs:
-            return self.inplace(x, self.binary(_INPLACE[name], x, args[1]))
-        if name in _UNARY and not kwargs:
-            n = self.node_of(x)
-            return self.proxy(self.add(_UNARY[name], (n,), n.shape, n.token_dims))
+            return self.inplace(x, self.elementwise(_INPLACE[name], args))
         if name in ("gelu",) and kwargs.get("approximate", "none") != "none":
             raise self.fail("gelu is supported with approximate='none'")
         if name in _REDUCE:
@@ -311,7 +322,7 @@ class Tracer:
         raise self.fail(f"`{name}` is not in the hook IR")
 
     # --- stores: values shared with hooks at other hook points -----------------------------------
-    def store_put(self, name: str, value: "TracedTensor", reduce: str | None, session) -> StoreSpec:
+    def store_put(self, name: str, value: "TracedTensor", reduce: str | None, session: TraceSession) -> StoreSpec:
         n = value._node
         if n.token_dims == 1 and reduce is not None:
             raise self.fail(f"store {name!r}: reduce={reduce!r} over positions of a value that already selected "
@@ -328,13 +339,11 @@ class Tracer:
 
     def imported(self, x: "TracedTensor") -> Node:
         """A value traced at another hook point, used here: shared through a per-token store."""
-        from .stores import _session
-
-        if x._node.token_dims != 2 or _session is None:
+        if x._node.token_dims != 2:
             raise self.fail("a value from another hook point that selected positions; share per-request values "
                             "with xmix_lens.store.put / store.get (broadcast over positions)")
         name = f"{x._tracer.graph.hook_name}:{x._node.name}"
-        spec = _session.stores.get(name) or x._tracer.store_put(name, x, None, _session)
+        spec = self.session.stores.get(name) or x._tracer.store_put(name, x, None, self.session)
         return self.store_get(spec)._node
 
     # --- shapes of feature dims -------------------------------------------------------------------

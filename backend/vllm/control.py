@@ -34,6 +34,7 @@ import torch
 
 from xmix_lens.lowered import AffineWrite, GeneratedRead, GeneratedWrite, LoweredOp, Read, op_digest, to_device
 
+from ..executor import Executor
 from .sharding import Placed, on_site
 
 MAX_RESIDENT_OPS = 64
@@ -67,7 +68,6 @@ class ResidentApp:
     name: str
     ops: list[ResidentOp]
     version: int = 0
-    active: bool = True  # deactivated apps stay resident (their graph launches are gated off)
     digest: bytes = b""  # of what its ops do now: the prefix-cache salt of requests that select it
 
     def refresh_digest(self) -> None:
@@ -109,6 +109,8 @@ class ControlPlane:
 
     def __post_init__(self):
         pin = self.device.type == "cuda"
+        # its own executor: launches whose arguments are all fixed-address buffers
+        self.executor = Executor(self.device, self.max_tokens)
         self.control = torch.full((MAX_RESIDENT_OPS, 2, self.max_tokens), -1, dtype=torch.int32, device=self.device)
         # staged on the host, copied in one piece; two of them, so that a copy still in flight is
         # never overwritten by the next step's preparation
@@ -116,7 +118,6 @@ class ControlPlane:
         self._staging = [torch.full((MAX_RESIDENT_OPS, 2, self.max_tokens), -1, dtype=torch.int32, device="cpu",
                                     pin_memory=pin) for _ in range(RING_DEPTH)]
         self._staged_events = [None] * RING_DEPTH
-        self.zeros = torch.zeros(self.max_tokens, dtype=torch.int32, device=self.device)
         self.ring_positions = torch.zeros(RING_DEPTH, self.max_tokens, dtype=torch.long, device=self.device)
         self._pending: list[_Step] = []  # prepared steps whose reads are not filed yet
         self._pin = pin
@@ -177,9 +178,6 @@ class ControlPlane:
         for op in app.ops:
             op.app = retired
 
-    def set_active(self, name: str, active: bool) -> None:
-        self._app(name).active = active
-
     def check_installed(self, names) -> None:
         for name in names:
             self._app(name)
@@ -232,9 +230,7 @@ class ControlPlane:
         # each request's active apps as a bit mask (bit i: the i-th installed app)
         # plain dict lookups per request: on the in-process engine, host time per step is latency
         chosen, default = self._request_bits, self._default_bits
-        active = sum(1 << self._bit[a.name] for a in self.apps.values() if a.active)
         request_bits = np.fromiter((chosen.get(r, default) for r in req_ids), dtype=np.int64, count=len(req_ids))
-        request_bits &= active
         if not request_bits.any() and self._idle:
             return  # the device rows are all -1 already (up to max_tokens): nothing to write
         slot = self.step_count % RING_DEPTH
@@ -269,7 +265,7 @@ class ControlPlane:
     def _bits(self, names) -> int:
         return sum(1 << self._bit[n] for n in names)
 
-    def launch(self, x: torch.Tensor, site_id: int, impl) -> None:
+    def launch(self, x: torch.Tensor, site_id: int) -> None:
         """The site's resident ops over all of x's tokens: the same launches every step."""
         ops = self.by_site.get(site_id)
         if not ops:
@@ -280,21 +276,12 @@ class ControlPlane:
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
         for entry in ops:
             entry.captured |= capturing
-            rows, op = self.control[entry.index, ROWS, :T], entry.op
+            rows = self.control[entry.index, ROWS, :T]
             with on_site(entry.placed, x, self.comm) as x_op:  # a gather plan: the whole row
-                if isinstance(op, AffineWrite):
-                    zeros = self.zeros[:T]
-                    impl.affine_write(x_op, rows, op.scale[None], zeros, op.bias[None], zeros, op.U, op.V)
-                elif isinstance(op, GeneratedWrite):
-                    impl.run_program(x_op, rows, op.program, self.zeros[:T])
+                if entry.ring is None:
+                    self.executor.run(entry.op, x_op, rows)
                 else:
-                    dest = self.control[entry.index, DEST, :T]
-                    if isinstance(op, GeneratedRead):
-                        impl.run_program(x_op, rows, op.program, self.zeros[:T], entry.ring, dest)
-                    elif op.W is None:
-                        impl.gather_rows(x_op, rows, entry.ring, dest)
-                    else:
-                        impl.project_read(x_op, rows, op.W, op.bias, entry.ring, dest)
+                    self.executor.run(entry.op, x_op, rows, out=entry.ring, dest=self.control[entry.index, DEST, :T])
 
     # --- the messenger ----------------------------------------------------------------------------
     def _queue_home(self) -> None:

@@ -1,7 +1,8 @@
 """The site runtime: which lowered ops run at which site, for which tokens of the current step.
 
-Control plane, one object per engine (its model owns it; the engine whose forward is running is
-the active one, so several in-process engines can live side by side):
+One object per engine: its model owns it and registers it in vLLM's forward context, where the
+site op of the forward that is running finds it (several in-process engines live side by side).
+It holds:
   - passes: a pass is one batch of requests sharing hook programs (a `run_with_hooks` or
     `generate` call). Each pass maps vLLM request ids to its rows and holds, per site, the lowered
     ops to run on prompt tokens (prefill) and on generated tokens (decode).
@@ -15,13 +16,12 @@ Under tensor parallelism each worker runs its own runtime over its shard of the 
 calls" directly (one process) or as collective RPCs (remote.py), and rank 0 answers.
 """
 from dataclasses import dataclass, field, replace
-from types import SimpleNamespace
 
 import torch
 
-from xmix_lens import kernels
 from xmix_lens.lowered import AffineWrite, GeneratedRead, GeneratedWrite, LoweredOp, Read, to_device
 
+from ..executor import Executor
 from . import adapter, sharding
 from .control import AppInfo, ControlPlane
 
@@ -90,6 +90,7 @@ class SiteRuntime:
         self.tp_rank, self.tp_world = tp_rank, tp_world
         self.shard_widths = {self.site_id[n]: F for n, F in (shard_widths or {}).items()} if tp_world > 1 else {}
         self.comm = sharding.TPCollectives() if tp_world > 1 else None
+        self.executor = Executor(device, max_tokens)  # Triton kernels on a GPU, their torch twins on the CPU
         # installed apps: resident ops, graph-safe (control.py); rank 0 alone delivers reads
         self.control = ControlPlane(device, max_tokens, comm=self.comm, delivers=tp_rank == 0)
         # whether the model runner prepares the control plane before each step (vLLM 0.26's GPU
@@ -101,9 +102,6 @@ class SiteRuntime:
         self.passes: dict[int, Pass] = {}
         self.step: StepTokens | None = None
         self._next_pass_id = 0
-        # test-only: route each request's tokens as the request `routing_shift` places later in the
-        # step, so that the isolation test can show it catches misrouting
-        self.routing_shift = 0
 
     # --- what the driver calls (between steps) ---------------------------------------------------
     def install_app(self, name: str, ops_by_hook_point: dict[str, list[LoweredOp]]) -> AppInfo:
@@ -206,9 +204,6 @@ class SiteRuntime:
         self.passes[p.pass_id] = p
         return p
 
-    def close_pass(self, p: Pass) -> None:
-        self.passes.pop(p.pass_id, None)
-
     # --- per step ------------------------------------------------------------------------------
     @property
     def needs_eager_steps(self) -> bool:
@@ -221,8 +216,6 @@ class SiteRuntime:
 
     def begin_step(self, positions: torch.Tensor) -> None:
         """Called by the model's forward (not replayed by CUDA graphs: eager and compiled steps only)."""
-        global _active
-        _active = self
         self.step = None
         host_passes = self._host_passes()
         if not host_passes and (self.runner_prepares_steps or not self.control.ops):
@@ -239,8 +232,7 @@ class SiteRuntime:
         row = torch.zeros(n_tokens, dtype=torch.long)
         prompt_len = torch.zeros(n_tokens, dtype=torch.long)
         pad = torch.zeros(n_tokens, dtype=torch.long)
-        for i in range(len(req_ids)):
-            req_id = req_ids[(i + self.routing_shift) % len(req_ids)]
+        for i, req_id in enumerate(req_ids):
             for p in self.passes.values():
                 if req_id in p.rows:
                     r, lo, hi = p.rows[req_id], query_start[i], query_start[i + 1]
@@ -252,7 +244,7 @@ class SiteRuntime:
 
     def run_site(self, x: torch.Tensor, site_id: int) -> None:
         # installed apps first (in install order), then the hooks of the passes in flight
-        self.control.launch(x, site_id, _TRITON if x.is_cuda else _TORCH)
+        self.control.launch(x, site_id)
         if self.step is None:
             return
         for p in self.passes.values():
@@ -277,35 +269,16 @@ class SiteRuntime:
         # each token's row in per-token tables ([B, P, ...] flattened): patching, per-token biases
         flat_index = (self.step.row[tokens] * phase.padded_len + self.step.padded_pos[tokens]).int().to(x.device)
         rows = tokens.int().to(x.device)
-        impl = _TRITON if x.is_cuda else _TORCH
         with sharding.on_site(placed, x, self.comm) as x:
-            if isinstance(op, AffineWrite):
-                bias = op.bias.reshape(-1, op.bias.shape[-1]) if op.per_token_bias else op.bias[None]
-                bias_idx = flat_index if op.per_token_bias else torch.zeros_like(rows)
-                impl.affine_write(x, rows, op.scale[None], torch.zeros_like(rows), bias, bias_idx, op.U, op.V)
-            elif isinstance(op, GeneratedWrite):
-                impl.run_program(x, rows, op.program, flat_index)
-            else:
-                values = self._read(x, op, rows, flat_index, impl)
-                if placed is not None and placed.kind == "reduce":
-                    values = self.comm.all_reduce(values)
-                self._deliver(p, phase, op, tokens, values)
-
-    @staticmethod
-    def _read(x, op, rows, flat_index, impl) -> torch.Tensor:
-        width = _numel(op.feature_shape)
-        out = torch.empty(rows.numel(), width, dtype=torch.float32, device=x.device)
-        dest = torch.arange(rows.numel(), dtype=torch.int32, device=x.device)
-        if isinstance(op, GeneratedRead):
-            impl.run_program(x, rows, op.program, flat_index, out, dest)
-        elif op.W is None:
-            impl.gather_rows(x, rows, out, dest)
-        else:
-            bias = op.bias if op.bias is not None and op.bias.dim() == 1 else torch.zeros(width, device=x.device)
-            impl.project_read(x, rows, op.W, bias, out, dest)
-            if op.bias is not None and op.bias.dim() == 3:  # a per-token bias, added where it is known
-                out += op.bias.reshape(-1, width)[flat_index.long()]
-        return out
+            if isinstance(op, (AffineWrite, GeneratedWrite)):
+                self.executor.run(op, x, rows, flat_index)
+                return
+            values = torch.empty(rows.numel(), _numel(op.feature_shape), dtype=torch.float32, device=x.device)
+            dest = torch.arange(rows.numel(), dtype=torch.int32, device=x.device)
+            self.executor.run(op, x, rows, flat_index, values, dest)
+            if placed is not None and placed.kind == "reduce":
+                values = self.comm.all_reduce(values)
+            self._deliver(p, phase, op, tokens, values)
 
     def _deliver(self, p: Pass, phase: Phase, op, tokens: torch.Tensor, values: torch.Tensor) -> None:
         rows = self.step.row[tokens]
@@ -371,16 +344,3 @@ def _numel(shape) -> int:
         n *= s
     return n
 
-
-# The GPU runs the Triton templates; the CPU engine runs their torch twins (Triton has no CPU backend).
-_TRITON = SimpleNamespace(affine_write=kernels.affine_write, gather_rows=kernels.gather_rows,
-                          project_read=kernels.project_read, run_program=kernels.run_program)
-_TORCH = SimpleNamespace(affine_write=kernels.affine_write_torch, gather_rows=kernels.gather_rows_torch,
-                         project_read=kernels.project_read_torch, run_program=kernels.run_program_torch)
-
-_active: SiteRuntime | None = None  # the runtime of the engine whose forward is running
-
-
-def run_active_site(x: torch.Tensor, site_id: int) -> None:
-    if _active is not None:
-        _active.run_site(x, site_id)

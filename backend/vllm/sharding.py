@@ -22,17 +22,15 @@ runs a plan over a list of shards, the collectives done in torch: the CPU simula
 plans, against the op on the whole site.
 """
 import contextlib
+import math
 from dataclasses import dataclass, replace
 
 import torch
 
-from xmix_lens import kernels
-from xmix_lens.lowered import AffineWrite, GeneratedRead, GeneratedWrite, LoweredOp, Read, TokenProgram
+from xmix_lens.lowered import AffineWrite, GeneratedWrite, LoweredOp, Read, TokenProgram
+from xmix_lens.ops import OPS
 
-# per-token program ops that never mix features: a program made of these (and constants) is shard-local
-_ELEMENTWISE = {"x", "const", "add", "sub", "mul", "div", "gt", "ge", "lt", "le", "eq", "ne", "logical_and",
-                "logical_or", "neg", "abs", "relu", "gelu", "sigmoid", "tanh", "exp", "log", "logical_not", "pow",
-                "where", "clamp"}
+from ..executor import Executor
 
 SHARDED_SITES = ("attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.hook_z", "mlp.hook_pre", "mlp.hook_post")
 
@@ -63,7 +61,8 @@ def plan(op: LoweredOp, F: int, world: int) -> ShardPlan:
     if isinstance(op, Read):
         return ShardPlan("gather" if op.W is None else "reduce", op, world)
     program: TokenProgram = op.program
-    elementwise = all(o.op in _ELEMENTWISE for o in program.ops) and all(c.numel() in (1, F) for c in program.consts)
+    # ops that never mix features (the op table's "local" ops) and constants cut in blocks: shard-local
+    elementwise = all(OPS[o.op].shards == "local" for o in program.ops) and all(c.numel() in (1, F) for c in program.consts)
     return ShardPlan("local" if elementwise and isinstance(op, GeneratedWrite) else "gather", op, world)
 
 
@@ -89,7 +88,7 @@ def for_rank(p: ShardPlan, F: int, rank: int) -> LoweredOp:
 def _block_program(program: TokenProgram, b: slice, F: int) -> TokenProgram:
     """An elementwise program for one block of the features: F-wide values and constants cut to it."""
     width = b.stop - b.start
-    ops = [replace(o, shape=(width,) if o.shape == (F,) else o.shape) for o in program.ops]
+    ops = [o._replace(shape=(width,) if o.shape == (F,) else o.shape) for o in program.ops]
     consts = [c if c.numel() == 1 else c.reshape(-1)[b].contiguous() for c in program.consts]
     return TokenProgram(ops, consts, program.output)
 
@@ -158,21 +157,10 @@ def run_sharded(p: ShardPlan, shards: list[torch.Tensor]) -> torch.Tensor | None
 
 def _run(op: LoweredOp, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:
     """The op on every token of x (the torch twins of the kernels); a read's value."""
-    zeros = torch.zeros_like(rows)
-    if isinstance(op, AffineWrite):
-        kernels.affine_write_torch(x, rows, op.scale[None], zeros, op.bias[None], zeros, op.U, op.V)
+    executor = Executor(torch.device("cpu"), len(rows))
+    if isinstance(op, (AffineWrite, GeneratedWrite)):
+        executor.run(op, x, rows)
         return None
-    if isinstance(op, GeneratedWrite):
-        kernels.run_program_torch(x, rows, op.program, None)
-        return None
-    if isinstance(op, Read) and op.W is not None:
-        out = torch.empty(len(rows), op.W.shape[1])
-        bias = op.bias if op.bias is not None else torch.zeros(op.W.shape[1])
-        kernels.project_read_torch(x, rows, op.W, bias, out, rows)
-        return out
-    out = torch.empty(len(rows), int(torch.tensor(op.feature_shape).prod()) if op.feature_shape else 1)
-    if isinstance(op, Read):
-        kernels.gather_rows_torch(x, rows, out, rows)
-    else:
-        kernels.run_program_torch(x, rows, op.program, None, out, rows)
+    out = torch.empty(len(rows), math.prod(op.feature_shape))
+    executor.run(op, x, rows, out=out, dest=rows)
     return out

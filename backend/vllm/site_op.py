@@ -3,8 +3,10 @@ that is a column slice of a layer's output, `torch.ops.xmix.site_cols(x, site_id
 
 Both are declared as mutating `x`, with a fake impl, so torch.compile keeps them in the graph as
 opaque calls (and CUDA-graph capture records the kernels they launch) instead of tracing into them.
-Their body hands `x` (or its columns [start, end)) to the site runtime, which applies the programs
-armed at that site this step.
+Their body hands `x` (or its columns [start, end)) to the site runtime of the engine whose forward
+is running, which applies the programs armed at that site this step. That runtime is found in
+vLLM's forward context, where the model registered it as vLLM's own layers register themselves
+(adapter.running_site_runtime): several engines in one process each reach their own.
 
 Why `site_cols` takes the whole tensor and not the slice: vLLM compiles with auto-functionalization
 v1 (`enable_auto_functionalized_v2 = False`), and under v1 Inductor mis-compiles two custom ops
@@ -14,12 +16,14 @@ site; the slice is taken inside the op, on real tensors.
 """
 import torch
 
-from . import runtime
+from .adapter import running_site_runtime
 
 
 @torch.library.custom_op("xmix::site", mutates_args=("x",))
 def site(x: torch.Tensor, site_id: int) -> None:
-    runtime.run_active_site(x, site_id)
+    runtime = running_site_runtime()
+    if runtime is not None:
+        runtime.run_site(x, site_id)
 
 
 @site.register_fake
@@ -29,7 +33,9 @@ def _site_fake(x: torch.Tensor, site_id: int) -> None:
 
 @torch.library.custom_op("xmix::site_cols", mutates_args=("x",))
 def site_cols(x: torch.Tensor, site_id: int, start: int, end: int) -> None:
-    runtime.run_active_site(x[..., start:end], site_id)
+    runtime = running_site_runtime()
+    if runtime is not None:
+        runtime.run_site(x[..., start:end], site_id)
 
 
 @site_cols.register_fake

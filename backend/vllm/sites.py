@@ -20,14 +20,15 @@ Each family is a table: (submodule path, placement, hook names). Placements:
                   result. Called without a residual (Llama's first layer), the sum is `x` itself.
 The table order is the order in which TransformerLens fires the hooks in one forward pass.
 
-A site tensor is 2-D, [tokens, features]: a hook point's per-token feature shape (`feature_shape`,
-e.g. (n_heads, d_head) for hook_q) is flattened into its row.
+A site tensor is 2-D, [tokens, features]: a hook point's per-token feature shape
+(`hook_points.feature_shape`, e.g. (n_heads, d_head) for hook_q) is flattened into its row.
 """
-import re
 from collections.abc import Callable
 
 import torch
 from torch import nn
+
+from xmix_lens.hook_points import hook_names
 
 from . import site_op  # noqa: F401  (registers torch.ops.xmix.site and site_cols)
 
@@ -85,39 +86,14 @@ def _gpt2_table(n_layers: int) -> list[tuple[str, str, dict[str, list[str]]]]:
 SITE_TABLES: dict[str, Callable[[int], list]] = {"llama": _llama_table, "gpt2": _gpt2_table}
 
 
-def site_names(family: str, n_layers: int) -> list[str]:
-    """Every hook point of a family, in firing order (its index is the site id)."""
-    return [name for _, _, groups in SITE_TABLES[family](n_layers) for names in groups.values() for name in names]
-
-
-def _dims(cfg) -> dict[str, int]:
-    """d_model, n_heads, n_kv_heads, d_head, d_mlp from an HF config (Llama or GPT-2; GPT2Config maps
-    hidden_size / num_attention_heads to n_embd / n_head) or a TransformerLens-style config."""
-    def first(*names):
-        return next((v for n in names if (v := getattr(cfg, n, None)) is not None), None)
-
-    d_model = first("hidden_size", "n_embd", "d_model")
-    n_heads = first("num_attention_heads", "n_head", "n_heads")
-    return {"d_model": d_model, "n_heads": n_heads,
-            "n_kv_heads": first("num_key_value_heads", "n_key_value_heads") or n_heads,
-            "d_head": first("head_dim", "d_head") or d_model // n_heads,
-            "d_mlp": first("intermediate_size", "n_inner", "d_mlp") or 4 * d_model}
-
-
-def feature_shape(family: str, name: str, hf_config_like) -> tuple[int, ...]:
-    """The per-token feature shape of a hook point's act, as in TransformerLens: act is
-    [batch, pos, *feature_shape]; the site tensor's row is that shape flattened."""
-    if family not in SITE_TABLES:
-        raise ValueError(f"unknown family {family!r}")
-    d = _dims(hf_config_like)
-    point = re.sub(r"^blocks\.\d+\.", "", name)
-    if point in ("attn.hook_q", "attn.hook_z"):
-        return (d["n_heads"], d["d_head"])
-    if point in ("attn.hook_k", "attn.hook_v"):
-        return (d["n_kv_heads"], d["d_head"])
-    if point in ("mlp.hook_pre", "mlp.hook_post"):
-        return (d["d_mlp"],)
-    return (d["d_model"],)
+def site_table(family: str, n_layers: int) -> list[tuple[str, str, dict[str, list[str]]]]:
+    """The family's table, checked to place every hook point once, in TransformerLens's firing order
+    (xmix_lens.hook_points.hook_names): a site's id is the index of its name there."""
+    table = SITE_TABLES[family](n_layers)
+    placed = [name for _, _, groups in table for names in groups.values() for name in names]
+    if placed != hook_names(family, n_layers):
+        raise RuntimeError(f"the {family} site table does not place hook_points.hook_names in order")
+    return table
 
 
 def _run_sites(x: torch.Tensor, site_ids: list[int]) -> None:
@@ -201,13 +177,14 @@ def install_sites(model: nn.Module, family: str, n_layers: int, armed: set[str])
 
     Returns every hook point name of the family in firing order; site id = index in that list.
     """
-    names = site_names(family, n_layers)
+    table = site_table(family, n_layers)
+    names = hook_names(family, n_layers)
     site_id = {name: i for i, name in enumerate(names)}
 
     def armed_ids(group: list[str]) -> list[int]:
         return [site_id[n] for n in group if n in armed]
 
-    for path, placement, groups in SITE_TABLES[family](n_layers):
+    for path, placement, groups in table:
         module = model.get_submodule(path)
         if placement == "norm":
             sum_ids, normalized_ids = armed_ids(groups["sum"]), armed_ids(groups["normalized"])

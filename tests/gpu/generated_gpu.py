@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the prog
 
 import test_generated_kernels as programs  # noqa: E402
 from kernel_checks import assert_matches  # noqa: E402
-from xmix_lens.kernels import generated  # noqa: E402
+from xmix_lens.kernels import generate_kernel, run_program, run_program_torch  # noqa: E402
 from xmix_lens.lowered import TokenProgram  # noqa: E402
 
 T, R = 300, 200
@@ -32,20 +32,20 @@ def check(make, F: int, dtype: torch.dtype) -> dict:
     rows = torch.randperm(T, generator=gen)[:R].to(torch.int32)
     rows[::7] = -1  # gated off
     rows = rows.to(DEVICE)
-    kernel, _ = generated.generate_kernel(program, F)
+    kernel, _ = generate_kernel(program, F)
     entry = {"F": F, "dtype": str(dtype), "block_rows": kernel.plan.block_rows,
              "tl_dot": "tl.dot" in kernel.path.read_text()}
     if make in programs.WRITES:
         expected, actual = x.clone(), x.clone()
-        generated.run_program_torch(expected, rows, program, None)
-        generated.run_program(actual, rows, program, None)
+        run_program_torch(expected, rows, program, None)
+        run_program(actual, rows, program, None)
     else:
         width = program.ops[program.output].shape[0] if program.ops[program.output].shape else 1
         dest = torch.arange(R, dtype=torch.int32, device=DEVICE)
         expected = torch.zeros(R, width, device=DEVICE)
         actual = torch.zeros(R, width, device=DEVICE)
-        generated.run_program_torch(x, rows, program, None, expected, dest)
-        generated.run_program(x, rows, program, None, actual, dest)
+        run_program_torch(x, rows, program, None, expected, dest)
+        run_program(x, rows, program, None, actual, dest)
     entry["max_abs_diff"] = (actual.float() - expected.float()).abs().max().item()
     try:
         assert_matches(actual.cpu(), expected.cpu(), noise=1e-4)

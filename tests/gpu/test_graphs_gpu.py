@@ -8,7 +8,8 @@ kernel), a head ablation and a probe read. Checked:
   - graphs are captured and replayed while requests select apps: no step falls back to eager;
   - the apps take effect in decode steps (the tokens change; the probe reads generated positions);
   - the result equals the same hooks run per call (host-planned, in steps without graphs);
-  - deactivating, reselecting and re-parameterising change results with no new capture.
+  - default apps (requests that choose none), reselecting and re-parameterising change results
+    with no new capture.
 """
 import json
 import os
@@ -21,6 +22,7 @@ import torch
 import xmix_lens  # noqa: F401  (sets vLLM's environment before vLLM is imported)
 from gpu_results import Results
 from xmix_lens import HookedServedModel
+from xmix_lens.passes import PassPlan
 
 pytestmark = pytest.mark.gpu
 
@@ -90,20 +92,21 @@ def engine():
     model = HookedServedModel.from_pretrained(path, dtype="bfloat16", load_format="dummy", max_model_len=512,
                                               gpu_memory_utilization=0.3,
                                               apps=[SimpleNamespace(name=n, fwd_hooks=h) for n, h in apps.items()])
-    config = model.llm.llm_engine.vllm_config.compilation_config
+    config = model.engine.llm.llm_engine.vllm_config.compilation_config
     record("engine", seconds=time.time() - start, cudagraph_mode=str(config.cudagraph_mode),
            compilation_mode=str(config.mode), captures=compilation_counter.num_gpu_runner_capture_triggers,
-           resident_captured={f"{o.app}:{o.index}": o.captured for o in model.runtime.control.ops})
-    runner = model.runtime.model_runner
+           resident_captured={f"{o.app}:{o.index}": o.captured for o in model.engine.runtime.control.ops})
+    runner = model.engine.runtime.model_runner
     return model, hooks, Replays(runner), compilation_counter
 
 
 def generate(model, row_apps):
     rows = [model.to_tokens(p)[0].tolist() for p in PROMPTS]
     trace = model._trace_hooks(len(rows), max(map(len, rows)))
-    job = (rows, [0] * len(rows), trace, None, NEW, {"temperature": 0.0, "ignore_eos": True}, row_apps)
-    ((p, generated),) = model._run_passes([job])
-    return [list(g) for g in generated], p.app_results
+    plan = PassPlan(rows, [0] * len(rows), trace, None, NEW, {"temperature": 0.0, "ignore_eos": True},
+                    [tuple(apps) for apps in row_apps])
+    (outcome,) = model._run([plan])
+    return [list(g) for g in outcome.tokens], outcome.results.app_results
 
 
 def test_apps_run_inside_replayed_graphs_and_equal_per_call_hooks(engine):
@@ -113,11 +116,11 @@ def test_apps_run_inside_replayed_graphs_and_equal_per_call_hooks(engine):
     captures = counter.num_gpu_runner_capture_triggers
     replays.take()
     plain, _ = generate(model, [set()] * len(PROMPTS))
-    eager_before = model.runtime.eager_steps
+    eager_before = model.engine.runtime.eager_steps
     chosen = [{"steer", "gate", "zero_head", "probe"}, {"steer"}, {"probe"}]
     with_apps, reads = generate(model, chosen)
     graph_replays = replays.take()
-    eager_with_apps = model.runtime.eager_steps - eager_before
+    eager_with_apps = model.engine.runtime.eager_steps - eager_before
 
     # the same hooks per call, host-planned (steps without graphs), one row at a time
     per_call, per_call_reads = [], []
@@ -130,7 +133,7 @@ def test_apps_run_inside_replayed_graphs_and_equal_per_call_hooks(engine):
                                 fwd_hooks=fwd, stop_at_eos=False)
         per_call.append(tokens[0, len(model.to_tokens(PROMPTS[row])[0]):].tolist())
         per_call_reads.append(kept)
-    eager_per_call = model.runtime.eager_steps - eager_before - eager_with_apps
+    eager_per_call = model.engine.runtime.eager_steps - eager_before - eager_with_apps
 
     probe_positions = {row: reads[row][next(iter(reads[row]))][0].tolist() for row in (0, 2)}
     prompt_lens = [len(model.to_tokens(p)[0]) for p in PROMPTS]
@@ -151,20 +154,23 @@ def test_apps_run_inside_replayed_graphs_and_equal_per_call_hooks(engine):
 def test_toggles_change_results_without_recapture(engine):
     model, hooks, replays, counter = engine
     captures = counter.num_gpu_runner_capture_triggers
-    control = model.runtime.control
     plain, _ = generate(model, [set()] * len(PROMPTS))
     steered, _ = generate(model, [{"steer"}] * len(PROMPTS))
-    control.set_active("steer", False)
-    off, _ = generate(model, [{"steer"}] * len(PROMPTS))
-    control.set_active("steer", True)
-    model.runtime.set_app_params("steer", model._lower_app("steer", hooks.apps(v=-hooks.v)["steer"])[0])
+    model.engine.runtime.set_default_apps({"steer"})  # requests that choose no app get it
+    try:
+        by_default, _ = generate(model, [set()] * len(PROMPTS))
+    finally:
+        model.engine.runtime.set_default_apps(())
+    off, _ = generate(model, [set()] * len(PROMPTS))
+    model.engine.runtime.set_app_params("steer", model._lower_app("steer", hooks.apps(v=-hooks.v)["steer"])[0])
     reversed_, _ = generate(model, [{"steer"}] * len(PROMPTS))
     per_call = [model.generate(p, max_new_tokens=NEW, do_sample=False, return_type="tokens", stop_at_eos=False,
                                fwd_hooks=hooks.apps(v=-hooks.v)["steer"])[0, len(model.to_tokens(p)[0]):].tolist()
                 for p in PROMPTS]
     replays.take()
     record("toggles", captures_before=captures, captures_after=counter.num_gpu_runner_capture_triggers,
-           plain=plain, steered=steered, deactivated=off, new_params=reversed_, new_params_per_call=per_call)
-    assert off == plain and steered != plain
+           plain=plain, steered=steered, default_app=by_default, default_cleared=off, new_params=reversed_,
+           new_params_per_call=per_call)
+    assert by_default == steered and off == plain and steered != plain
     assert reversed_ == per_call and reversed_ != steered
     assert counter.num_gpu_runner_capture_triggers == captures

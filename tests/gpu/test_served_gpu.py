@@ -18,7 +18,7 @@ import torch
 import xmix_lens  # noqa: F401  (sets vLLM's environment before vLLM is imported)
 from gpu_results import Results
 from xmix_lens import HookedServedModel, store
-from xmix_lens.backend.vllm import runtime as site_runtime
+from xmix_lens.backend.executor import TORCH, Kernels
 
 pytestmark = pytest.mark.gpu
 
@@ -62,38 +62,33 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp(min=1e-6))
 
 
-class CountingKernels:
-    """site_runtime._TRITON with every launch counted, to see that the Triton path ran."""
-
-    def __init__(self, impl):
-        self.impl, self.calls = impl, {}
-
-    def __getattr__(self, name):
-        fn = getattr(self.impl, name)
-
-        def counted(*args, **kwargs):
-            self.calls[name] = self.calls.get(name, 0) + 1
+def counting(kernels: Kernels, calls: dict) -> Kernels:
+    """The executor's kernels with every launch counted, to see that the Triton path ran."""
+    def counted(name, fn):
+        def launch(*args, **kwargs):
+            calls[name] = calls.get(name, 0) + 1
             return fn(*args, **kwargs)
+        return launch
 
-        return counted
+    return Kernels(*(counted(name, fn) for name, fn in zip(Kernels._fields, kernels)))
 
 
 def run_everything(model: HookedServedModel, twins_too: bool) -> dict:
     hooks = hook_sets(model.cfg.d_model, model.cfg.d_head)
-    out = {"base": model(PROMPTS), "hooked": {}, "generate": {}}
-    counting = CountingKernels(site_runtime._TRITON)
-    site_runtime._TRITON = counting
+    out = {"base": model(PROMPTS), "hooked": {}, "generate": {}, "triton_calls": {}}
+    executor = model.engine.runtime.executor  # what per-call hooks run through
+    triton = executor.kernels
+    executor.kernels = counting(triton, out["triton_calls"])
     try:
         out["hooked"] = {name: model.run_with_hooks(PROMPTS, fwd_hooks=h) for name, h in hooks.items()}
     finally:
-        site_runtime._TRITON = counting.impl
-    out["triton_calls"] = counting.calls
+        executor.kernels = triton
     if twins_too:  # the same hooks with the torch twins in place of the Triton kernels
-        site_runtime._TRITON = site_runtime._TORCH
+        executor.kernels = TORCH
         try:
             out["twins"] = {name: model.run_with_hooks(PROMPTS, fwd_hooks=h) for name, h in hooks.items()}
         finally:
-            site_runtime._TRITON = counting.impl
+            executor.kernels = triton
     out["generate"]["steer"] = model.generate(PROMPTS, max_new_tokens=12, do_sample=False, return_type="tokens",
                                               fwd_hooks=hooks["steer"])
     out["generate"]["plain"] = model.generate(PROMPTS, max_new_tokens=12, do_sample=False, return_type="tokens")

@@ -25,6 +25,7 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the CPU test's cases
+sys.path.insert(1, str(Path(__file__).resolve().parents[2]))  # the root: tests.tiny_models
 
 import xmix_lens  # noqa: E402,F401  (sets vLLM's environment before vLLM is imported)
 from test_tensor_parallel import PROMPTS, Hooks, _apps, _zero_head  # noqa: E402
@@ -48,7 +49,7 @@ def make_model(config_dir: str, out: str) -> None:
 
 
 def eager_steps(model) -> list[int]:
-    runtime = model.runtime
+    runtime = model.engine.runtime
     return runtime.read("eager_steps") if hasattr(runtime, "read") else [runtime.eager_steps]
 
 
@@ -63,7 +64,7 @@ def run(model_dir: str, tp: int, out: str, dtype: str = "bfloat16") -> None:
     extra = {"tensor_parallel_size": tp, "distributed_executor_backend": "mp"} if tp > 1 else {}
     model = HookedServedModel.from_pretrained(model_dir, dtype=dtype, apps=apps,
                                               gpu_memory_utilization=0.4, **extra)
-    result = {"tp": tp, "cudagraph_mode": str(model.llm.llm_engine.vllm_config.compilation_config.cudagraph_mode),
+    result = {"tp": tp, "cudagraph_mode": str(model.engine.llm.llm_engine.vllm_config.compilation_config.cudagraph_mode),
               "plain": model(PROMPTS).float(), "cases": {}}
     for case in Hooks(model.cfg).cases():
         h = Hooks(model.cfg)

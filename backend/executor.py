@@ -1,0 +1,58 @@
+"""The executor: one launch path per lowered op kind, its kernels chosen once.
+
+Everything that runs lowered ops calls `Executor.run`: a host-planned pass on its tokens
+(vllm/runtime.py), installed apps' resident ops over every token of a step (vllm/control.py), and
+the tensor-parallel plans simulated on the CPU (vllm/sharding.py). A write changes x's selected
+rows in place; a read fills `out[dest]`. The kernels are chosen when the executor is made: the
+Triton templates and generated kernels on a CUDA device, their torch twins elsewhere (Triton
+compiles no CPU code; tests run the Triton kernels in its interpreter against the twins).
+"""
+from typing import NamedTuple
+
+import torch
+
+from xmix_lens import kernels
+from xmix_lens.lowered import AffineWrite, GeneratedRead, GeneratedWrite, LoweredOp
+
+
+class Kernels(NamedTuple):
+    affine_write: object
+    gather_rows: object
+    project_read: object
+    run_program: object
+
+
+TRITON = Kernels(kernels.affine_write, kernels.gather_rows, kernels.project_read, kernels.run_program)
+TORCH = Kernels(kernels.affine_write_torch, kernels.gather_rows_torch, kernels.project_read_torch,
+                kernels.run_program_torch)
+
+
+class Executor:
+    def __init__(self, device: torch.device, max_tokens: int):
+        device = torch.device(device)
+        self.kernels = TRITON if device.type == "cuda" else TORCH
+        # the index of a shared (not per-token) bias row, for every token: allocated once, so that a
+        # launch inside a CUDA-graph capture allocates nothing
+        self.zeros = torch.zeros(max_tokens, dtype=torch.int32, device=device)
+
+    def run(self, op: LoweredOp, x: torch.Tensor, rows: torch.Tensor, table_index: torch.Tensor | None = None,
+            out: torch.Tensor | None = None, dest: torch.Tensor | None = None) -> None:
+        """Run `op` on x's rows (int32, -1 skipped). `table_index`: each row's index into per-token
+        tables ([B, P, ...] flattened), for ops that have them. Reads write `out[dest]`."""
+        k, zeros = self.kernels, self.zeros[: rows.numel()]
+        if isinstance(op, AffineWrite):
+            if op.per_token_bias:
+                k.affine_write(x, rows, op.scale[None], zeros, op.bias.reshape(-1, op.bias.shape[-1]), table_index,
+                               op.U, op.V)
+            else:
+                k.affine_write(x, rows, op.scale[None], zeros, op.bias[None], zeros, op.U, op.V)
+        elif isinstance(op, (GeneratedWrite, GeneratedRead)):
+            k.run_program(x, rows, op.program, zeros if table_index is None else table_index, out, dest)
+        elif op.W is None:
+            k.gather_rows(x, rows, out, dest)
+        else:
+            width = op.W.shape[1]
+            shared = op.bias is not None and op.bias.dim() == 1
+            k.project_read(x, rows, op.W, op.bias if shared else torch.zeros(width, device=x.device), out, dest)
+            if op.bias is not None and not shared:  # a per-token bias, added where it is known
+                out[dest.long()] += op.bias.reshape(-1, width)[table_index.long()]

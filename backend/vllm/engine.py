@@ -1,0 +1,199 @@
+"""The engine behind a HookedServedModel: vLLM's `LLM` in this process, and what the model asks of it.
+
+The front end (xmix_lens/model.py) traces and lowers hooks into `PassPlan`s and calls this module
+for everything that touches vLLM: building the engine (armed sites, installed apps, tensor
+parallelism), running passes through vLLM's step loop with their prefix-cache salts, the
+unembedding that turns `ln_final.hook_normalized` into logits, and installing apps in the site
+runtime. Under tensor parallelism the runtime is a `RemoteRuntime` (remote.py): the same calls,
+sent to the workers.
+"""
+import hashlib
+import os
+import tempfile
+import uuid
+from dataclasses import dataclass
+
+import torch
+
+from xmix_lens.lowered import AffineWrite, GeneratedWrite, op_digest
+from xmix_lens.passes import PassPlan, PhaseOps
+
+from . import adapter, control, remote
+from .sites import unembedding
+
+
+@dataclass
+class PassOutcome:
+    """One finished pass: what it read (runtime.PassResults) and each row's new tokens."""
+
+    results: object
+    tokens: list[list[int]]
+
+
+class VllmEngine:
+    def __init__(self, llm, runtime, unembed: tuple[torch.Tensor, torch.Tensor]):
+        self.llm, self.runtime = llm, runtime
+        # ln_final.hook_normalized -> logits, the final norm's weight folded in; fp32 on the host
+        self.W_U, self.b_U = unembed
+        self.last_run_stats: dict = {}  # requests, prompt tokens and prefix-cache hits of the last run
+
+    @classmethod
+    def build(cls, model_dir, family: str, dtype: torch.dtype, n_heads: int, max_model_len: int,
+              enforce_eager: bool, armed, apps: list[tuple[str, dict]], d_vocab: int,
+              **engine_kwargs) -> "VllmEngine":
+        """An in-process vLLM engine with `armed` hook points compiled in ("all", or names) and
+        `apps` (name, lowered ops per hook point) resident from the start, so that its CUDA graphs
+        contain them. Everything is checked before vLLM starts."""
+        from vllm import LLM
+
+        _check_parallel_layout(n_heads, engine_kwargs)
+        for name, ops in apps:  # refused now, not halfway through building the engine
+            control.check_resident(name, ops)
+        xmix_config = {"armed": armed}
+        with tempfile.TemporaryDirectory(prefix="xmix-apps-") as folder:
+            if apps:  # a file: a TP engine builds its model (and installs them) in worker processes
+                xmix_config["apps_file"] = os.path.join(folder, "apps.pt")
+                torch.save(apps, xmix_config["apps_file"])
+            llm = LLM(model=str(model_dir), dtype=str(dtype).removeprefix("torch."), enforce_eager=enforce_eager,
+                      max_model_len=max_model_len, skip_tokenizer_init=True,
+                      additional_config={"xmix_lens": xmix_config}, **engine_kwargs)
+        runner, runtime = adapter.bind(llm)
+        if runner is not None:
+            unembed = unembedding(runner.model, family, d_vocab)
+        else:  # every rank takes part in gathering the vocabulary shards; rank 0's answer
+            unembed = llm.collective_rpc(remote.unembedding_of, args=(family, d_vocab))[0]
+        return cls(llm, runtime, unembed)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.llm.llm_engine.model_config.max_model_len
+
+    @property
+    def device(self) -> torch.device:
+        return self.runtime.device
+
+    def shutdown(self) -> None:
+        """Stop the engine's workers (under TP, its worker processes exit). Other engines in this
+        process keep running: vLLM's own engine shutdown would also tear down this process's
+        distributed state, which in-process engines share."""
+        adapter.shutdown_workers(self.llm)
+
+    # --- installed apps ---------------------------------------------------------------------------
+    @property
+    def installed(self) -> dict:
+        """name -> control.AppInfo of every app resident in the engine."""
+        return self.runtime.installed
+
+    def install_app(self, name: str, ops_by_hook_point: dict):
+        if name in self.installed:  # from_pretrained(apps=...) made it resident as the engine was built
+            return self.installed[name]
+        return self.runtime.install_app(name, ops_by_hook_point)
+
+    def set_app_params(self, name: str, ops_by_hook_point: dict):
+        return self.runtime.set_app_params(name, ops_by_hook_point)
+
+    def uninstall_app(self, name: str) -> None:
+        self.runtime.uninstall_app(name)
+
+    # --- passes -----------------------------------------------------------------------------------
+    def run(self, plans: list[PassPlan]) -> list[PassOutcome]:
+        """Run passes together: all their rows are vLLM requests in flight at once, each pass's ops
+        touch only its own rows. Unknown apps fail before anything is sent to the engine."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        engine = self.llm.llm_engine
+        installed = self.installed
+        for plan in plans:
+            for names in plan.apps or ():
+                unknown = sorted(set(names) - set(installed))
+                if unknown:
+                    raise KeyError(f"no app named {unknown[0]!r} is installed; installed: {sorted(installed)}")
+        pass_ids = self.runtime.begin_passes([
+            ([len(r) for r in plan.rows], plan.offsets, (plan.prompt.padded_len, plan.prompt.ops),
+             (plan.decode.padded_len, plan.decode.ops) if plan.decode is not None else None) for plan in plans])
+        names = [[f"xmix-{pass_id}-{row}" for row in range(len(plan.rows))] for pass_id, plan in zip(pass_ids, plans)]
+        routes, selections, outputs = {}, {}, {}
+        self.last_run_stats = {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0}
+        try:
+            for pass_id, pass_names, plan in zip(pass_ids, names, plans):
+                row_apps = plan.apps or [()] * len(plan.rows)
+                params = SamplingParams(max_tokens=plan.max_new_tokens, detokenize=False,
+                                        **{"temperature": 0.0, **plan.sampling})
+                salt = pass_salt(plan.prompt, plan.decode)
+                for row, tokens in enumerate(plan.rows):
+                    row_salt = app_salt(installed, row_apps[row], salt)
+                    # vLLM makes the id unique (a suffix); the model runner sees that one
+                    internal = engine.add_request(pass_names[row],
+                                                  TokensPrompt(prompt_token_ids=tokens, cache_salt=row_salt), params)
+                    routes[internal] = (pass_id, row)
+                    if row_apps[row]:
+                        selections[internal] = tuple(row_apps[row])
+            # one call before the first step (one RPC under TP): where each request's tokens belong
+            self.runtime.route(routes, selections)
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        outputs[out.request_id] = list(out.outputs[0].token_ids)
+                        self.last_run_stats["requests"] += 1
+                        self.last_run_stats["prompt_tokens"] += len(out.prompt_token_ids or ())
+                        self.last_run_stats["cached_tokens"] += out.num_cached_tokens or 0
+        finally:
+            if len(outputs) < sum(map(len, names)):  # stopped by an error
+                engine.abort_request([n for pass_names in names for n in pass_names if n not in outputs])
+            finished = self.runtime.finish_passes(pass_ids, list(routes))
+        return [PassOutcome(results, [outputs[name] for name in pass_names])
+                for results, pass_names in zip(finished, names)]
+
+    def logits(self, normalized: torch.Tensor) -> torch.Tensor:
+        """Logits from a read of ln_final.hook_normalized (vLLM computes them only where it samples)."""
+        return normalized @ self.W_U + self.b_U
+
+
+def pass_salt(prompt: PhaseOps, decode: PhaseOps | None) -> str | None:
+    """vLLM's prefix-cache salt for a pass's requests.
+
+    KV computed under a pass's writes must never serve a request without the same writes, and a
+    pass that reads (or stores) prompt activations needs every position computed, not cached:
+    - no ops at all: no salt, the cache is shared with plain requests;
+    - only writes, the same for every request: a digest of the ops (same hooks and parameters
+      share KV; other parameters get other blocks);
+    - reads, stores or per-token tables: a fresh salt, nothing is reused."""
+    phases = [prompt] + ([decode] if decode is not None else [])
+    ops = [op for phase in phases for site in sorted(phase.ops) for op in phase.ops[site]]
+    if not ops:
+        return None
+    if any(not isinstance(op, (AffineWrite, GeneratedWrite)) or isinstance(op, AffineWrite) and op.per_token_bias
+           or isinstance(op, GeneratedWrite) and any(o.op == "table" for o in op.program.ops) for op in ops):
+        return uuid.uuid4().hex
+    digest = hashlib.sha256()
+    for phase in phases:
+        for site in sorted(phase.ops):
+            digest.update(site.encode())
+            for op in phase.ops[site]:
+                digest.update(op_digest(op))
+    return digest.hexdigest()
+
+
+def app_salt(installed: dict, names, salt: str | None) -> str | None:
+    """A request's prefix-cache salt with its installed apps: KV computed under an app's writes serves
+    only requests whose apps do the same (a digest of their ops: new parameters, or another app
+    reinstalled under the name, get other blocks); an app that reads needs every position
+    computed, so nothing is reused."""
+    if not names:
+        return salt
+    apps = [installed[n] for n in sorted(names)]
+    if any(app.reads for app in apps):
+        return uuid.uuid4().hex
+    return hashlib.sha256(repr((salt, [a.digest for a in apps])).encode()).hexdigest()
+
+
+def _check_parallel_layout(n_heads: int, engine_kwargs: dict) -> None:
+    """Refused before an engine is built: parallel layouts whose sites the runtime does not place."""
+    if engine_kwargs.get("pipeline_parallel_size", 1) != 1:
+        raise ValueError("pipeline_parallel_size > 1 is not supported: a rank would hold some layers' hook "
+                         "points only; use tensor_parallel_size")
+    world = engine_kwargs.get("tensor_parallel_size", 1)
+    if world > 1 and n_heads % world:
+        raise ValueError(f"tensor_parallel_size={world} does not divide the model's {n_heads} attention "
+                         "heads; vLLM shards heads evenly: choose a divisor")

@@ -1,0 +1,175 @@
+"""The launcher of kernels generated for per-token programs: the hooks no parametric template covers.
+
+    for i, r in enumerate(rows):
+        x[r] = program(x[r])              a write (out is None)
+        out[dest[i]] = program(x[r])      a read
+
+A program (program_format.py: the triple `(ops, consts, output)`, as xmix_lens.lowered's
+TokenProgram) is a list of ops over per-token values of shape () or (n,). `generate_kernel` writes
+Triton source (program_source.py) for the program's *structure* into a file under CACHE_DIR,
+imports it and keeps it, keyed on that structure, for the life of the process; `run_program`
+launches it. program_torch.py is its torch twin.
+
+  structure (a new kernel)      the ops, their shapes, which const each op reads, pow exponents,
+                                which clamp bounds exist, which operands are numbers, F
+  data (the same kernel)        the const tensors, numbers used as operands, clamp bounds, topk k
+
+so new constants or coefficients never regenerate. In an op's "value" arguments an int is an
+earlier op's index and a float is a number: write `mul v 2.0`, not `mul v 2`.
+
+How a kernel holds values: one program takes BLOCK_ROWS rows at a time and keeps every value
+in registers as a [BLOCK_ROWS, lanes] block (lanes: the next power of two >= n; 1 for () and
+(1,)), or [1, lanes] when the value is made of constants only (it broadcasts). Lanes past n are
+padding holding anything: elementwise ops never mix lanes, and the ops that do (reductions,
+softmax, topk_mask, matmul, the final store) mask the padding out (-inf before a max, 0 before
+a sum). `x @ W` (the site row times a constant) runs as tl.dot over tiles of x's columns read
+from memory once a program's row blocks reach 16 rows (x's row is not held in registers unless an
+op other than a matmul reads it). Any other `a @ W` runs one rank-1 update per input feature
+(CUDA-core FMAs, W's rows streamed once per block of rows), its input read back a column at a time
+from x itself or from a scratch row the program owns, since registers cannot be indexed by lane. The result is
+materialised whole: relu(x @ W_enc + b) @ W_dec holds the k SAE features of BLOCK_ROWS tokens
+at once, which is what keeps topk_mask (a whole-row decision) correct. BLOCK_ROWS shrinks as
+values widen (16 rows up to 1024 lanes, 4 at 4096, 2 at 8192). A launch runs at most
+PROGRAMS_PER_SM programs per SM, program p taking row blocks p, p + programs, ..., so that the
+scratch (programs x BLOCK_ROWS x the staged inputs' widths, fp32) stays bounded.
+
+Limits (program_format.py; each raises NotImplementedError naming the op):
+  * a value of at most MAX_LANES features (F and every n, matmul outputs included)
+  * topk_mask with k <= MAX_TOPK (k passes over the row: the k-th largest by repeated maxima)
+Numerics: fp32 math; tanh is 2 sigmoid(2a) - 1 (absolute error ~1e-7 near 0); pow is
+products for integer exponents |p| <= 4, sqrt/rsqrt for +-0.5, else exp(p log|a|) (negative
+bases: sign kept for odd integers, NaN otherwise, as torch); pow 0 is refused (fold it).
+topk_mask keeps every lane >= the k-th largest value counted with multiplicity, so values tied
+with it all stay (more than k lanes only on exact ties). NaN inputs to max, min, relu, clamp,
+softmax and topk_mask are unspecified.
+
+Contracts (shared with the torch twin):
+  x            [T, F] fp32 or bf16, rows contiguous (a row stride is allowed); a write is in place
+  rows         [R] int32, distinct token indices into x; -1 skips the entry (a gated-off token)
+  table_index  [R] int32, each token's row into every `table` const (None without table ops)
+  consts       fp32 contiguous on x's device: const () or (n,), matmul [n, k],
+               table [N, n] or, for (), [N] or [N, 1]
+  out          [capacity, n] (n = 1 for a () result), rows contiguous, any float dtype
+  dest         [R] int32, distinct slots in out
+The math is fp32; the result is cast to the destination's dtype.
+
+Example: steering through a gate, x + relu(x . d) * v with F = 200, generates
+
+    @triton.jit
+    def program_kernel(
+        x_ptr, x_row_stride, rows_ptr, R, table_index_ptr, out_ptr, out_row_stride, dest_ptr, scratch_ptr,
+        c0_ptr, c1_ptr,
+        WRITE: tl.constexpr, BLOCK_ROWS: tl.constexpr, SCRATCH_WIDTH: tl.constexpr,
+    ):
+        lanes200 = tl.arange(0, 256)[None, :]
+        in200 = lanes200 < 200
+        # Program p takes row blocks p, p + num_programs, ...: a bounded grid bounds the scratch.
+        for block in range(tl.program_id(0), tl.cdiv(R, BLOCK_ROWS), tl.num_programs(0)):
+            entries = block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)[:, None]
+            live = entries < R
+            # int64 offsets: T * F can pass 2**31 on large engine steps.
+            rows = tl.load(rows_ptr + entries, mask=live, other=0).to(tl.int64)
+            live = live & (rows >= 0)  # a row of -1 is a token this launch leaves alone
+            # a block of gated-off rows (every row, in an idle graph-replayed step) does nothing
+            if tl.max(tl.max(live.to(tl.int32), axis=1), axis=0) > 0:
+                v0 = tl.load(x_ptr + rows * x_row_stride + lanes200, mask=live & in200, other=0.0).to(tl.float32)
+                v1 = tl.load(c0_ptr + lanes200, mask=in200, other=0.0)
+                v2 = v0 * v1
+                v3 = tl.sum(tl.where(in200, v2, 0.0), axis=1, keep_dims=True)
+                v4 = tl.maximum(v3, 0.0)
+                v5 = tl.load(c1_ptr + lanes200, mask=in200, other=0.0)
+                v6 = v4 * v5
+                v7 = v0 + v6
+                if WRITE:
+                    tl.store(x_ptr + rows * x_row_stride + lanes200, v7.to(x_ptr.dtype.element_ty), mask=live & in200)
+                else:
+                    dest = tl.load(dest_ptr + entries, mask=live, other=0).to(tl.int64)
+                    tl.store(out_ptr + dest * out_row_stride + lanes200, v7.to(out_ptr.dtype.element_ty), mask=live & in200)
+
+    (the file also lists the program in a header comment; tests check that this example is current).
+"""
+
+import logging
+import sys
+import time
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import torch
+import triton
+
+from .program_format import MAX_TOPK, PROGRAMS_PER_SM, Plan, check_arguments, plan, structure
+from .program_source import Source, import_kernel
+
+log = logging.getLogger(__name__)
+
+@cache
+def _max_programs(device: torch.device) -> int:
+    if device.type != "cuda":
+        return sys.maxsize  # the interpreter runs programs one after another: nothing to bound
+    return PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@dataclass
+class GeneratedKernel:
+    """The kernel of one program structure; called like run_program, for any program of that structure."""
+
+    plan: Plan
+    source: str
+    path: Path  # the generated file
+    fn: object  # its @triton.jit program_kernel
+    seconds: float  # the time generating it took (writing and importing; Triton compiles at first launch)
+
+    def __call__(self, x, rows, program, table_index, out=None, dest=None) -> None:
+        plan = self.plan
+        consts, numbers = check_arguments(plan, x, rows, program, table_index, out, dest)
+        for (i, _), number in zip(plan.numbers, numbers):
+            if plan.ops[i][0] == "topk_mask" and number > MAX_TOPK:
+                raise NotImplementedError(f"op {i} (topk_mask): k = {number}; generated kernels take k <= {MAX_TOPK}")
+        R = rows.numel()
+        if R == 0:
+            return
+        programs = min(triton.cdiv(R, plan.block_rows), _max_programs(x.device))
+        # x stands in for the pointers a launch does not use
+        scratch = x
+        if plan.scratch_width:
+            scratch = torch.empty(programs * plan.block_rows, plan.scratch_width, dtype=torch.float32,
+                                  device=x.device)
+        write = out is None
+        self.fn[(programs,)](
+            x, x.stride(0), rows, R, rows if table_index is None else table_index,
+            x if write else out, 0 if write else out.stride(0), rows if write else dest, scratch,
+            *consts, *numbers,
+            WRITE=write, BLOCK_ROWS=plan.block_rows, SCRATCH_WIDTH=plan.scratch_width, num_warps=plan.num_warps,
+        )
+
+
+_kernels: dict[tuple, GeneratedKernel] = {}
+
+
+def generate_kernel(program, F: int) -> tuple[GeneratedKernel, float]:
+    """The kernel of program's structure for sites of F features, and the seconds this call spent
+    generating it: 0.0 when the structure was seen before, as for new consts or numbers."""
+    key = structure(program, F)
+    kernel = _kernels.get(key)
+    if kernel is not None:
+        return kernel, 0.0
+    start = time.perf_counter()
+    checked = plan(key)
+    source = Source(checked).text()
+    path, fn = import_kernel(source)
+    seconds = time.perf_counter() - start
+    kernel = _kernels[key] = GeneratedKernel(checked, source, path, fn, seconds)
+    log.info("generated the kernel of a %d-op program in %.3f s: %s", len(checked.ops), seconds, path)
+    return kernel, seconds
+
+
+def run_program(x, rows, program, table_index, out=None, dest=None) -> None:
+    """x[rows[i]] = program(x[rows[i]]) (out None), else out[dest[i]] = program(x[rows[i]]).
+
+    Generates the program's kernel on first use (see generate_kernel), then launches it. In
+    place for writes; rows must be distinct (not checked: that would synchronise the device).
+    """
+    generate_kernel(program, x.shape[1])[0](x, rows, program, table_index, out, dest)
+

@@ -45,6 +45,8 @@ class App:
     param_sites: dict[str, tuple[str, int]] = field(default_factory=dict)
     version: int = 0
     description: str = ""
+    # the models it is installed in (model.install / uninstall keep this)
+    installed_in: list = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name or any(c.isspace() for c in self.name):
@@ -62,19 +64,44 @@ class App:
                                  f"{sorted(self.params)}")
 
     def set_params(self, **values) -> int:
-        """Copy new values into the parameter tensors (the hooks see them from the next call on);
-        returns the new version."""
+        """Copy new values into the parameter tensors; returns the new version. Every model the app
+        is installed in uses them from its next call on (model.set_params); all values are checked
+        before any is copied, and nothing changes if one is refused."""
+        if self.installed_in:
+            for model in self.installed_in:
+                version = model.set_params(self.name, **values)
+            return version
+        self.write_params(self.checked_params(values))
+        self.version += 1
+        return self.version
+
+    def checked_params(self, values: dict) -> dict[str, torch.Tensor]:
+        """New parameter values as tensors, each checked (name, shape, finite); nothing is changed."""
+        checked = {}
         for key, value in values.items():
             if key not in self.params:
                 raise KeyError(f"app {self.name!r} has no param {key!r}; its params: {sorted(self.params)}")
-            value = torch.as_tensor(value)
+            try:
+                value = torch.as_tensor(value, dtype=self.params[key].dtype)
+            except (TypeError, ValueError, RuntimeError) as e:
+                raise ValueError(f"app {self.name!r}: param {key!r} takes a tensor (or number) of "
+                                 f"{self.params[key].dtype}; got {type(value).__name__} ({e})") from None
             if value.shape != self.params[key].shape:
                 raise ValueError(f"app {self.name!r}: param {key!r} is {list(self.params[key].shape)}, the new value "
                                  f"is {list(value.shape)}; pass a tensor of the same shape (or build a new App)")
+            if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+                raise ValueError(f"app {self.name!r}: the new value of param {key!r} has NaN or infinite entries; "
+                                 "parameters must be finite")
+            checked[key] = value
+        return checked
+
+    def write_params(self, values: dict[str, torch.Tensor]) -> None:
         for key, value in values.items():
-            self.params[key].copy_(torch.as_tensor(value))
-        self.version += 1
-        return self.version
+            self.params[key].copy_(value)
+
+    def param_versions(self) -> tuple:
+        """The tensors' in-place version counters: they change when anyone writes into a param."""
+        return tuple(t._version for t in self.params.values())
 
 
 class AppRun(NamedTuple):
@@ -99,6 +126,9 @@ class AppRegistry:
         # apps whose ops are resident in the engine (graph-safe; backend/vllm/control.py):
         # name -> {read key: (output name, per-token feature shape)}
         self.resident: dict[str, dict] = {}
+        # name -> the app's param_versions() when its resident ops were last lowered: a write into
+        # app.params in place is seen, and the engine's copy updated, before the next call uses it
+        self.lowered_versions: dict[str, tuple] = {}
 
     def check_names(self, names: Iterable[str], where: str) -> list[str]:
         names = [names] if isinstance(names, str) else list(names)

@@ -9,6 +9,8 @@ One forward pass (`run_with_hooks`, `run_with_cache`, `model(...)`) is:
      hook functions kept.
 """
 import contextlib
+import functools
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -57,6 +59,18 @@ def _config_from_hf(hf, family: str, name: str, dtype: torch.dtype) -> HookedSer
                               getattr(hf, "num_key_value_heads", n_heads), family, name, dtype)
 
 
+def one_call_at_a_time(method: Callable) -> Callable:
+    """Calls of one model from several threads run one after another (a notebook's widgets, a web
+    demo, an evaluation script's workers): the hooks a call adds to the hook points are its own
+    until it returns, and vLLM's in-process engine is driven by one caller at a time."""
+    @functools.wraps(method)
+    def serialized(self, *args, **kwargs):
+        with self.lock:
+            return method(self, *args, **kwargs)
+
+    return serialized
+
+
 _FAMILIES = {"LlamaForCausalLM": "llama", "GPT2LMHeadModel": "gpt2"}
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
@@ -74,6 +88,9 @@ class HookedServedModel:
         # per hook point, the per-token feature shape of its act ((d_model,), (n_heads, d_head), ...)
         self.feature_shapes = {name: hook_points.feature_shape(name, cfg) for name in self.hook_dict}
         self.app_registry = AppRegistry()  # installed apps and the default selection
+        # one call at a time: a call's hooks sit on the shared hook points while it traces, and
+        # vLLM's in-process engine serves one caller (see one_call_at_a_time)
+        self.lock = threading.RLock()
 
     # --- construction ---------------------------------------------------------------------------
     @classmethod
@@ -210,6 +227,7 @@ class HookedServedModel:
         return tokens, mask, rows, offsets
 
     # --- hooks (TransformerLens's HookedRootModule bookkeeping) ---------------------------------
+    @one_call_at_a_time
     def add_hook(self, name, hook: HookFn, dir: str = "fwd", is_permanent: bool = False, prepend: bool = False) -> None:
         for n in hook_points.resolve(self.hook_dict, name):
             self.hook_dict[n].add_hook(hook, dir=dir, is_permanent=is_permanent, prepend=prepend)
@@ -217,10 +235,12 @@ class HookedServedModel:
     def add_perma_hook(self, name, hook: HookFn, dir: str = "fwd") -> None:
         self.add_hook(name, hook, dir=dir, is_permanent=True)
 
+    @one_call_at_a_time
     def remove_all_hook_fns(self, direction: str = "both", including_permanent: bool = False) -> None:
         for hp in self.hook_dict.values():
             hp.remove_hooks(including_permanent=including_permanent)
 
+    @one_call_at_a_time
     def reset_hooks(self, clear_contexts: bool = True, direction: str = "both", including_permanent: bool = False) -> None:
         if clear_contexts:
             for hp in self.hook_dict.values():
@@ -241,32 +261,36 @@ class HookedServedModel:
     @contextlib.contextmanager
     def hooks(self, fwd_hooks: Iterable[HookSpec] = (), bwd_hooks=(), reset_hooks_end: bool = True,
               clear_contexts: bool = False):
-        """Hooks added for the duration of the block; removed on exit, also when the block raises."""
-        resolved = self._check_hooks(fwd_hooks, bwd_hooks)
-        added = []
-        try:
-            for name, fn in resolved:
-                self.hook_dict[name].add_hook(fn)
-                added.append((name, self.hook_dict[name].fwd_hooks[-1]))
-            yield self
-        finally:
-            if reset_hooks_end:
-                for name, handle in added:
-                    if handle in self.hook_dict[name].fwd_hooks:
-                        self.hook_dict[name].fwd_hooks.remove(handle)
-                if clear_contexts:
-                    for name, _ in added:
-                        self.hook_dict[name].clear_context()
+        """Hooks added for the duration of the block; removed on exit, also when the block raises.
+        Other threads' calls wait until the block ends (its hooks are on the shared hook points)."""
+        with self.lock:
+            resolved = self._check_hooks(fwd_hooks, bwd_hooks)
+            added = []
+            try:
+                for name, fn in resolved:
+                    self.hook_dict[name].add_hook(fn)
+                    added.append((name, self.hook_dict[name].fwd_hooks[-1]))
+                yield self
+            finally:
+                if reset_hooks_end:
+                    for name, handle in added:
+                        if handle in self.hook_dict[name].fwd_hooks:
+                            self.hook_dict[name].fwd_hooks.remove(handle)
+                    if clear_contexts:
+                        for name, _ in added:
+                            self.hook_dict[name].clear_context()
 
     # --- forward passes ---------------------------------------------------------------------------
     def __call__(self, input, return_type: str | None = "logits", **kwargs):
         return self.forward(input, return_type=return_type, **kwargs)
 
+    @one_call_at_a_time
     def run_with_hooks(self, input, fwd_hooks: Iterable[HookSpec] = (), bwd_hooks=(), reset_hooks_end: bool = True,
                        clear_contexts: bool = False, return_type: str | None = "logits", **kwargs):
         with self.hooks(fwd_hooks, bwd_hooks, reset_hooks_end, clear_contexts):
             return self.forward(input, return_type=return_type, **kwargs)
 
+    @one_call_at_a_time
     def run_with_cache(self, input, names_filter=None, return_type: str | None = "logits",
                        remove_batch_dim: bool = False, return_cache_object: bool = True, **kwargs):
         names = self._cache_names(names_filter)
@@ -295,6 +319,7 @@ class HookedServedModel:
         wanted = {n for spec in names_filter for n in hook_points.resolve(self.hook_dict, spec)}
         return [n for n in self.hook_dict if n in wanted]
 
+    @one_call_at_a_time
     def forward(self, input, return_type: str | None = "logits", prepend_bos: bool | None = None,
                 padding_side: str | None = None, attention_mask=None, loss_per_token: bool = False, apps=None):
         """One forward pass with the hooks on the hook points. With `apps` (names, or one list per
@@ -302,6 +327,7 @@ class HookedServedModel:
         call = self._forward_call(input, return_type, prepend_bos, padding_side, attention_mask, loss_per_token, apps)
         return call.finish(self._run(call.plans))
 
+    @one_call_at_a_time
     def run_batch(self, requests: Sequence[tuple], return_type: str | None = "logits", **kwargs) -> list:
         """Forward passes that each have their own hooks, served together in one engine.
 
@@ -332,6 +358,7 @@ class HookedServedModel:
         tokens, mask, rows, offsets = self._rows(input, prepend_bos, padding_side, attention_mask)
         self._check_length(max(len(r) for r in rows))
         selection = self.app_registry.selection(apps, len(rows))
+        self._sync_resident(selection)
         groups = self._groups(selection, len(rows))
         plans = []
         for g in groups:
@@ -363,6 +390,7 @@ class HookedServedModel:
 
         return _Call(plans, finish)
 
+    @one_call_at_a_time
     def generate(self, input, max_new_tokens: int = 10, stop_at_eos: bool = True, eos_token_id: int | None = None,
                  do_sample: bool = True, top_k: int | None = None, top_p: float | None = None,
                  temperature: float = 1.0, prepend_bos: bool | None = None, padding_side: str | None = None,
@@ -386,6 +414,7 @@ class HookedServedModel:
         if eos_token_id is not None:
             sampling["stop_token_ids"] = [eos_token_id]
         selection = self.app_registry.selection(apps, len(rows))
+        self._sync_resident(selection)
         B, P = tokens.shape
         with self.hooks(fwd_hooks):
             groups = self._groups(selection, B)
@@ -428,6 +457,7 @@ class HookedServedModel:
             raise ValueError(f"a request needs {n} positions; this engine's max_model_len is {limit} "
                              f"(from_pretrained(max_model_len=...))")
 
+    @one_call_at_a_time
     def explain(self, input="Hello world", fwd_hooks: Iterable[HookSpec] | None = None) -> str:
         """What the hooks (given, or those added to hook points) become: their IR and lowered ops.
 
@@ -442,16 +472,20 @@ class HookedServedModel:
         return "\n".join(lines) if lines else "no hooks"
 
     # --- tracing and running passes -----------------------------------------------------------------
-    def _trace_hooks(self, B: int, P: int, inherited=None, phase: str = "prefill") -> PhaseOps:
+    def _trace_hooks(self, B: int, P: int, inherited=None, phase: str = "prefill",
+                     hooks: dict[str, list[HookFn]] | None = None) -> PhaseOps:
         """Trace every hook function once for this view of the pass, in firing order, then lower
-        each hook point. `inherited`: the prompt's per-request stores, seen by generated tokens."""
+        each hook point. `inherited`: the prompt's per-request stores, seen by generated tokens.
+        `hooks`: hook point -> functions; by default those on the hook points."""
+        if hooks is None:
+            hooks = {name: [h.hook for h in hp.fwd_hooks] for name, hp in self.hook_dict.items()}
         session = stores.TraceSession(B, P, inherited=dict(inherited or {}))
         tracers, kept = [], []
         for name, hp in self.hook_dict.items():
-            if hp.fwd_hooks:
+            if hooks.get(name):
                 tracer = Tracer(name, (B, P) + self.feature_shapes[name], self.cfg.dtype, session, phase)
-                for handle in list(hp.fwd_hooks):
-                    tracer.call(handle.hook, hp)
+                for fn in list(hooks[name]):
+                    tracer.call(fn, hp)
                 kept += [((phase, name, key), p) for key, p in enumerate(tracer.finish())]
                 tracers.append(tracer)
         session.allocate(self.engine.device if self.engine is not None else torch.device("cpu"))
@@ -460,9 +494,12 @@ class HookedServedModel:
 
     def _lower_app(self, name: str, fwd_hooks: Iterable[HookSpec]) -> tuple[dict, list]:
         """An installed app's hooks, traced for one token ([1, 1, ...]: they run on every token of
-        the requests that select them) and lowered: (ops per hook point, kept (read key, proxy))."""
-        with self.hooks(fwd_hooks):
-            traced = self._trace_hooks(1, 1)
+        the requests that select them) and lowered: (ops per hook point, kept (read key, proxy)).
+        Only these hooks are traced, whatever else is on the hook points."""
+        hooks: dict[str, list[HookFn]] = {}
+        for point, fn in self._check_hooks(fwd_hooks, ()):
+            hooks.setdefault(point, []).append(fn)
+        traced = self._trace_hooks(1, 1, hooks=hooks)
         if traced.per_request_stores:
             raise ValueError(f"app {name!r}: installed apps do not use stores yet; run its hooks with run_with_hooks")
         return traced.ops, traced.kept
@@ -505,6 +542,7 @@ class HookedServedModel:
         """The installed apps by name, in install order."""
         return dict(self.app_registry.apps)
 
+    @one_call_at_a_time
     def install(self, app: App) -> App:
         """Check an app against this model (hook names, parameter sizes, that it traces) and install
         it. Per-token apps become resident in the engine: selected per request by buffer writes,
@@ -529,8 +567,9 @@ class HookedServedModel:
                                  f" so dim {dim} must be {want}; build the app from vectors of this model at this hook "
                                  f"point")
         self._check_traces(app)
-        self.app_registry.apps[app.name] = app
         self._make_resident(app)
+        self.app_registry.apps[app.name] = app
+        app.installed_in.append(self)
         return app
 
     def _check_traces(self, app: App) -> None:
@@ -548,48 +587,86 @@ class HookedServedModel:
 
     def _make_resident(self, app: App) -> None:
         """Install the app's ops in the engine itself when its hooks are per token and keep their
-        reads in app.outputs; otherwise it stays traced per call."""
+        reads in app.outputs; otherwise it stays traced per call. An engine out of room for them
+        is an error (backend/vllm/control.py), never a silent fall-back to per-call hooks."""
         try:
             ops, kept = self._lower_app(app.name, app.fwd_hooks)
             names = {id(value): key for key, value in app.outputs.items()}
-            if any(id(proxy) not in names for _, proxy in kept):
-                return  # it keeps values elsewhere than in app.outputs: only a traced pass returns them
-            reads = {key: (names[id(proxy)], tuple(proxy.shape[2:])) for key, proxy in kept}
-            self.engine.install_app(app.name, ops)
-            self.app_registry.resident[app.name] = reads
         except (TraceError, ValueError, NotImplementedError):
-            return  # not per token: run per call
+            return  # its hooks need a pass's shape (positions, stores): traced per call
         finally:
             app.outputs.clear()
+        if any(id(proxy) not in names for _, proxy in kept):
+            return  # it keeps values elsewhere than in app.outputs: only a traced pass returns them
+        if self.engine.why_not_resident(app.name, ops) is not None:
+            return  # not per token: traced per call
+        self.engine.install_app(app.name, ops)
+        self.app_registry.resident[app.name] = {key: (names[id(proxy)], tuple(proxy.shape[2:])) for key, proxy in kept}
+        self.app_registry.lowered_versions[app.name] = app.param_versions()
 
+    @one_call_at_a_time
     def uninstall(self, name: str) -> App:
         reg = self.app_registry
         reg.check_names([name], "uninstall")
         reg.deactivate([name])
         if reg.resident.pop(name, None) is not None:
             self.engine.uninstall_app(name)
-        return reg.apps.pop(name)
+            del reg.lowered_versions[name]
+        app = reg.apps.pop(name)
+        app.installed_in.remove(self)
+        return app
 
+    @one_call_at_a_time
     def activate(self, names, requests: Iterable[int] | None = None) -> None:
         """Run these apps in calls without `apps=`: for every request, or the rows in `requests`."""
         self.app_registry.activate(names, requests)
 
+    @one_call_at_a_time
     def deactivate(self, names=None, requests: Iterable[int] | None = None) -> None:
         """Undo `activate`: these apps (all, if names is None), for every request or for these rows."""
         self.app_registry.deactivate(names, requests)
 
+    @one_call_at_a_time
     def set_params(self, name: str, **values) -> int:
-        """Update an installed app's parameter tensors in place; returns its new version."""
+        """Update an installed app's parameter tensors in place; returns its new version. All
+        values are checked, and the engine's copy of a resident app updated, before the version
+        changes: a refused update leaves the App, this model and the engine as they were."""
         reg = self.app_registry
         reg.check_names([name], "set_params")
         app = reg.apps[name]
-        version = app.set_params(**values)
-        if name in reg.resident:  # the engine's copies of the lowered tensors, updated in place
-            try:
-                self.engine.set_app_params(name, self._lower_app(name, app.fwd_hooks)[0])
-            finally:
-                app.outputs.clear()
-        return version
+        checked = app.checked_params(values)
+        old = {key: app.params[key].clone() for key in checked}
+        app.write_params(checked)
+        try:
+            if name in reg.resident:
+                self._lower_resident(app)
+        except Exception:
+            app.write_params(old)
+            if name in reg.resident:
+                reg.lowered_versions[name] = app.param_versions()
+            raise
+        app.version += 1
+        return app.version
+
+    def _lower_resident(self, app: App) -> None:
+        """The engine's copy of a resident app's tensors, lowered again from app.params and copied
+        in place (refused, changing nothing, if the new values change what its hooks do)."""
+        try:
+            ops = self._lower_app(app.name, app.fwd_hooks)[0]
+        finally:
+            app.outputs.clear()
+        self.engine.set_app_params(app.name, ops)
+        self.app_registry.lowered_versions[app.name] = app.param_versions()
+
+    def _sync_resident(self, selection: list[tuple[str, ...]] | None) -> None:
+        """Resident apps whose params were written in place since they were lowered (app.params[k]
+        edited directly) are lowered again before this call uses them."""
+        reg = self.app_registry
+        for name in {n for names in selection or () for n in names} & set(reg.resident):
+            app = reg.apps[name]
+            if app.param_versions() != reg.lowered_versions[name]:
+                self._lower_resident(app)
+                app.version += 1
 
 
 _INSTALL_TRACE_SHAPE = (1, 16)  # the pass an app is traced for at install, to fail early on bad sizes

@@ -152,6 +152,9 @@ class Tracer:
             _calling.reset(token)
         if result is None or (isinstance(result, TracedTensor) and result._node is self.version):
             return
+        if isinstance(result, TracedTensor) and result._tracer is not self:
+            # a value kept at an earlier hook point (`return saved["a"]`): shared through a store
+            result = self.proxy(self.imported(result))
         if not isinstance(result, TracedTensor) or result.shape != act.shape:
             got = list(result.shape) if isinstance(result, torch.Tensor) else type(result).__name__
             raise self.fail(f"returned {got}; a hook returns None or a tensor shaped like act {list(act.shape)}")

@@ -37,9 +37,13 @@ from xmix_lens.lowered import AffineWrite, GeneratedRead, GeneratedWrite, Lowere
 from ..executor import Executor
 from .sharding import Placed, on_site
 
-MAX_RESIDENT_OPS = 64
+MAX_RESIDENT_OPS = 64  # control rows; also the most apps (one bit each in a request's uint64 mask)
 RING_DEPTH = 2
 ROWS, DEST = 0, 1
+
+
+class ResidentCapacityError(ValueError):
+    """No control rows left for an app's resident ops."""
 
 
 @dataclass
@@ -50,6 +54,7 @@ class ResidentOp:
     op: LoweredOp
     ring: torch.Tensor | None = None  # reads: [RING_DEPTH * max_tokens, width] fp32
     captured: bool = False  # launched while a CUDA graph was being captured
+    retired: bool = False  # its app was uninstalled; kept only because a captured graph launches it
     placed: Placed | None = None  # at a sharded site of a TP engine: how this rank runs it
 
 
@@ -88,7 +93,7 @@ class _Step:
     n_tokens: int
     req_ids: list[str]
     query_start: np.ndarray  # [n + 1]
-    live: dict[int, np.ndarray]  # read op index -> bool [n_tokens]
+    live: dict[int, tuple]  # read op index -> (bool [n_tokens]: its live tokens, the ResidentOp)
     host: dict | None = None  # the pinned copies, once queued
     event: object = None
 
@@ -98,7 +103,8 @@ class ControlPlane:
     device: torch.device
     max_tokens: int
     apps: dict[str, ResidentApp] = field(default_factory=dict)
-    ops: list[ResidentOp] = field(default_factory=list)
+    # control row -> its op; None where an uninstalled app's op was removed (the row is free again)
+    slots: list[ResidentOp | None] = field(default_factory=list)
     by_site: dict[int, list[ResidentOp]] = field(default_factory=dict)
     selected: dict[str, frozenset] = field(default_factory=dict)  # vLLM request id -> its apps
     defaults: frozenset = frozenset()  # the apps of requests that chose none (e.g. sent to vLLM directly)
@@ -126,14 +132,23 @@ class ControlPlane:
         self._default_bits = 0
         self._idle = True  # the device rows are all -1
 
+    @property
+    def ops(self) -> list[ResidentOp]:
+        """Every op holding a control row: installed apps' and, kept for captured graphs, retired ones."""
+        return [op for op in self.slots if op is not None]
+
     # --- installing and choosing (between steps) --------------------------------------------------
     def install(self, name: str, ops_by_site: dict[int, list[LoweredOp]]) -> ResidentApp:
         if name in self.apps:
             raise ValueError(f"an app named {name!r} is installed already; uninstall it or choose another name")
         count = sum(len(ops) for ops in ops_by_site.values())
-        if len(self.ops) + count > MAX_RESIDENT_OPS:
-            raise ValueError(f"installing {name!r} needs {count} resident ops; this engine holds "
-                             f"{MAX_RESIDENT_OPS - len(self.ops)} more (MAX_RESIDENT_OPS = {MAX_RESIDENT_OPS})")
+        free = [i for i, op in enumerate(self.slots) if op is None] + list(range(len(self.slots), MAX_RESIDENT_OPS))
+        if count > len(free):
+            held = sum(op.retired for op in self.ops)
+            raise ResidentCapacityError(
+                f"installing {name!r} needs {count} resident ops; this engine has {len(free)} of its "
+                f"{MAX_RESIDENT_OPS} control rows free ({held} held by uninstalled apps that CUDA graphs captured). "
+                "Uninstall apps you no longer use, or build a new engine (from_pretrained) for more")
         check_resident(name, ops_by_site)  # every op checked before any is installed
         resident = []
         for site, ops in ops_by_site.items():
@@ -141,16 +156,17 @@ class ControlPlane:
                 op, placed = _unplaced(op)
                 if isinstance(op, Read) and op.W is not None and op.bias is None:
                     op = replace(op, bias=torch.zeros(op.W.shape[1]))  # allocated once, not per launch
-                entry = ResidentOp(name, site, len(self.ops), to_device(op, self.device), placed=placed)
+                entry = ResidentOp(name, site, free.pop(0), to_device(op, self.device), placed=placed)
                 if isinstance(op, (Read, GeneratedRead)):
                     width = int(np.prod(op.feature_shape, dtype=np.int64))
                     entry.ring = torch.zeros(RING_DEPTH * self.max_tokens, width, device=self.device)
-                self.ops.append(entry)
+                self.slots += [None] * (entry.index + 1 - len(self.slots))
+                self.slots[entry.index] = entry
                 self.by_site.setdefault(site, []).append(entry)
                 resident.append(entry)
         app = self.apps[name] = ResidentApp(name, resident)
         app.refresh_digest()
-        self._bit[name] = len(self._bit)
+        self._bit[name] = min(set(range(MAX_RESIDENT_OPS)) - set(self._bit.values()))
         return app
 
     def set_params(self, name: str, ops_by_site: dict[int, list[LoweredOp]]) -> int:
@@ -170,13 +186,21 @@ class ControlPlane:
         return app.version
 
     def uninstall(self, name: str) -> None:
-        """Remove an app. Its ops keep their launches (a captured graph holds them) and their
-        control rows, gated off for good: they answer to a name no request can select."""
+        """Remove an app; its bit and the control rows of its ops are free for later installs. An op
+        that a CUDA graph captured keeps its row and its launch (the graph replays it), gated off for
+        good: no request can select it, and its row is never written again."""
         app = self.apps.pop(self._app(name).name)
-        retired = f"{name} (uninstalled, {len(self._bit)})"
-        self._bit[retired] = self._bit.pop(name)
+        del self._bit[name]
         for op in app.ops:
-            op.app = retired
+            if op.captured:
+                op.retired = True
+            else:
+                self.slots[op.index] = None
+                self.by_site[op.site].remove(op)
+        self.selected = {r: names - {name} for r, names in self.selected.items()}
+        self.defaults -= {name}
+        self._request_bits = {r: self._bits(names) for r, names in self.selected.items()}
+        self._default_bits = self._bits(self.defaults)
 
     def check_installed(self, names) -> None:
         for name in names:
@@ -230,7 +254,7 @@ class ControlPlane:
         # each request's active apps as a bit mask (bit i: the i-th installed app)
         # plain dict lookups per request: on the in-process engine, host time per step is latency
         chosen, default = self._request_bits, self._default_bits
-        request_bits = np.fromiter((chosen.get(r, default) for r in req_ids), dtype=np.int64, count=len(req_ids))
+        request_bits = np.fromiter((chosen.get(r, default) for r in req_ids), dtype=np.uint64, count=len(req_ids))
         if not request_bits.any() and self._idle:
             return  # the device rows are all -1 already (up to max_tokens): nothing to write
         slot = self.step_count % RING_DEPTH
@@ -240,20 +264,23 @@ class ControlPlane:
             self._staged_events[slot].synchronize()  # its copy from two steps ago is long done
         # a step with no app resets every row (idle steps after it skip the copy); others the step's
         width = max(n_padded or n_tokens, n_tokens) if request_bits.any() else self.max_tokens
-        staging[: len(self.ops), :, :width] = -1
+        rows_used = len(self.slots)
+        staging[:rows_used, :, :width] = -1
         tokens = np.arange(n_tokens, dtype=np.int32)
         token_bits = np.repeat(request_bits, np.diff(query_start))
         live: dict[int, np.ndarray] = {}
         for op in self.ops:
+            if op.retired:
+                continue  # selected by nobody: its row stays -1
             on = (token_bits >> self._bit[op.app]) & 1 == 1
             if not on.any():
                 continue
             staging[op.index, ROWS, :n_tokens] = torch.from_numpy(np.where(on, tokens, -1))
             if op.ring is not None:
                 staging[op.index, DEST, :n_tokens] = torch.from_numpy(tokens + slot * self.max_tokens)
-                live[op.index] = on
+                live[op.index] = (on, op)
         # launches read rows [:T], T (x's tokens, padding included) <= width: the rest may be stale
-        self.control[: len(self.ops), :, :width].copy_(staging[: len(self.ops), :, :width], non_blocking=self._pin)
+        self.control[:rows_used, :, :width].copy_(staging[:rows_used, :, :width], non_blocking=self._pin)
         self._idle = not request_bits.any()
         if self._pin:
             self._staged_events[slot] = torch.cuda.Event()
@@ -292,7 +319,7 @@ class ControlPlane:
                 n, base = step.n_tokens, step.slot * self.max_tokens
                 step.host = {"positions": _home(self.ring_positions[step.slot, :n], self._pin)}
                 for index in step.live:
-                    step.host[index] = _home(self.ops[index].ring[base: base + n], self._pin)
+                    step.host[index] = _home(step.live[index][1].ring[base: base + n], self._pin)
                 if self._pin:
                     step.event = torch.cuda.Event()
                     step.event.record()
@@ -312,8 +339,8 @@ class ControlPlane:
         """Each request's live tokens of each read, as views of the step's host copy: one gather
         and one split per read, then a dict append per request (this runs between steps)."""
         positions = step.host["positions"]
-        for index, on in step.live.items():
-            key, values = (self.ops[index].app, self.ops[index].op.key), step.host[index]
+        for index, (on, op) in step.live.items():
+            key, values = (op.app, op.op.key), step.host[index]
             live = torch.from_numpy(on)
             counted = np.concatenate([[0], np.cumsum(on)])  # live tokens before each token
             per_request = (counted[step.query_start[1:]] - counted[step.query_start[:-1]]).tolist()

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from xmix_lens.lowered import AffineWrite, GeneratedWrite, op_digest
-from xmix_lens.passes import PassPlan, PhaseOps
+from xmix_lens.passes import PassPlan
 
 from . import adapter, control, remote
 from .sites import unembedding
@@ -84,6 +84,15 @@ class VllmEngine:
         """name -> control.AppInfo of every app resident in the engine."""
         return self.runtime.installed
 
+    @staticmethod
+    def why_not_resident(name: str, ops_by_hook_point: dict) -> str | None:
+        """Why an app's lowered ops cannot be resident (they are not per token), or None."""
+        try:
+            control.check_resident(name, ops_by_hook_point)
+        except ValueError as e:
+            return str(e)
+        return None
+
     def install_app(self, name: str, ops_by_hook_point: dict):
         if name in self.installed:  # from_pretrained(apps=...) made it resident as the engine was built
             return self.installed[name]
@@ -120,8 +129,7 @@ class VllmEngine:
                 row_apps = plan.apps or [()] * len(plan.rows)
                 params = SamplingParams(max_tokens=plan.max_new_tokens, detokenize=False,
                                         **{"temperature": 0.0, **plan.sampling})
-                salt = pass_salt(plan.prompt, plan.decode)
-                for row, tokens in enumerate(plan.rows):
+                for row, (tokens, salt) in enumerate(zip(plan.rows, row_salts(plan))):
                     row_salt = app_salt(installed, row_apps[row], salt)
                     # vLLM makes the id unique (a suffix); the model runner sees that one
                     internal = engine.add_request(pass_names[row],
@@ -150,29 +158,40 @@ class VllmEngine:
         return normalized @ self.W_U + self.b_U
 
 
-def pass_salt(prompt: PhaseOps, decode: PhaseOps | None) -> str | None:
-    """vLLM's prefix-cache salt for a pass's requests.
+def row_salts(plan: PassPlan) -> list[str | None]:
+    """vLLM's prefix-cache salt for each row of a pass.
 
-    KV computed under a pass's writes must never serve a request without the same writes, and a
-    pass that reads (or stores) prompt activations needs every position computed, not cached:
+    KV computed under a pass's writes must never serve a request without the same writes to the
+    same tokens, and a pass that reads (or stores) prompt activations needs every position
+    computed, not cached:
     - no ops at all: no salt, the cache is shared with plain requests;
-    - only writes, the same for every request: a digest of the ops (same hooks and parameters
-      share KV; other parameters get other blocks);
-    - reads, stores or per-token tables: a fresh salt, nothing is reused."""
-    phases = [prompt] + ([decode] if decode is not None else [])
+    - only writes, the same for every request: a digest of the ops and of the row's real tokens
+      they write (a position selection is over the padded layout, so the same hook writes other
+      tokens of a shorter row under left and right padding): same hooks, parameters and written
+      tokens share KV, anything else gets other blocks;
+    - reads, stores or per-token tables: a fresh salt per row, nothing is reused."""
+    phases = [plan.prompt] + ([plan.decode] if plan.decode is not None else [])
     ops = [op for phase in phases for site in sorted(phase.ops) for op in phase.ops[site]]
     if not ops:
-        return None
+        return [None] * len(plan.rows)
     if any(not isinstance(op, (AffineWrite, GeneratedWrite)) or isinstance(op, AffineWrite) and op.per_token_bias
            or isinstance(op, GeneratedWrite) and any(o.op == "table" for o in op.program.ops) for op in ops):
-        return uuid.uuid4().hex
+        return [uuid.uuid4().hex for _ in plan.rows]
     digest = hashlib.sha256()
     for phase in phases:
         for site in sorted(phase.ops):
             digest.update(site.encode())
             for op in phase.ops[site]:
                 digest.update(op_digest(op))
-    return digest.hexdigest()
+    salts = []
+    for tokens, offset in zip(plan.rows, plan.offsets):
+        row = digest.copy()
+        for site in sorted(plan.prompt.ops):
+            for op in plan.prompt.ops[site]:
+                if op.positions is not None:  # which of this row's real tokens the op writes
+                    row.update(op.positions[offset: offset + len(tokens)].numpy().tobytes())
+        salts.append(row.hexdigest())
+    return salts
 
 
 def app_salt(installed: dict, names, salt: str | None) -> str | None:

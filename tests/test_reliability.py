@@ -164,3 +164,36 @@ def test_uninstalling_frees_resident_rows_and_the_limit_is_an_error(served):
     finally:
         for name in installed:
             model.uninstall(name)
+
+
+def test_a_hook_writing_nan_is_reported_and_never_reaches_another_request(served):
+    """A NaN written by a hook used to stay in the KV block of its request; freed, the block served
+    the next request (vLLM hands out a freed partial block first), whose stale slots then gave NaN
+    logits. Now the call is told which hook point and rows, and the plain calls after it equal the
+    same calls made before, bit for bit."""
+    from xmix_lens import NonFiniteError
+
+    model = served[MODEL]
+    long, short = " ".join([PROMPT] * 5), "Hello there my friend"  # each under one KV block
+    before = model(short), model.generate(short, max_new_tokens=5, do_sample=False, return_type="tokens")
+
+    def unaffected():
+        after = model(short), model.generate(short, max_new_tokens=5, do_sample=False, return_type="tokens")
+        return torch.equal(after[0], before[0]) and torch.equal(after[1], before[1])
+
+    divide_by_zero = [(SITE, lambda act, hook: act / 0.0)]
+    with pytest.raises(NonFiniteError, match=rf"{SITE} in rows \[0\]"):
+        model.run_with_hooks(long, fwd_hooks=divide_by_zero)
+    assert unaffected()
+    with pytest.raises(NonFiniteError, match="on_nonfinite"):
+        model.generate(long, max_new_tokens=5, do_sample=False, fwd_hooks=divide_by_zero)
+    assert unaffected()
+    first_row_only = torch.tensor([float("inf"), 0.0])[:, None, None]  # a per-row bias
+    model.on_nonfinite = "warn"
+    try:
+        with pytest.warns(RuntimeWarning, match=rf"{SITE} in rows \[0\]"):
+            out = model.run_with_hooks([long, short], fwd_hooks=[(SITE, lambda act, hook: act + first_row_only)])
+    finally:
+        model.on_nonfinite = "raise"
+    assert not torch.isfinite(out[0]).all() and torch.isfinite(out[1]).all()
+    assert unaffected()

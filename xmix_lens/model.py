@@ -11,6 +11,7 @@ One forward pass (`run_with_hooks`, `run_with_cache`, `model(...)`) is:
 import contextlib
 import functools
 import threading
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -91,6 +92,7 @@ class HookedServedModel:
         # one call at a time: a call's hooks sit on the shared hook points while it traces, and
         # vLLM's in-process engine serves one caller (see one_call_at_a_time)
         self.lock = threading.RLock()
+        self.on_nonfinite = "raise"  # when hooks write NaN or inf: "raise", "warn" or "ignore"
 
     # --- construction ---------------------------------------------------------------------------
     @classmethod
@@ -525,16 +527,37 @@ class HookedServedModel:
               max_new_tokens: int = 1, sampling: dict | None = None) -> PassPlan:
         resident = tuple(n for n in g.apps if n in self.app_registry.resident)
         return PassPlan([rows[i] for i in g.rows], [offsets[i] for i in g.rows], prompt, decode, max_new_tokens,
-                        sampling or {}, [resident] * len(g.rows) if resident else None)
+                        sampling or {}, [resident] * len(g.rows) if resident else None, g.rows)
 
     def _run(self, plans: list[PassPlan]) -> list:
         """Run the passes in the engine; the proxies the hook functions kept become the values read
         (for generated tokens: the last one's). Returns engine.PassOutcome per plan."""
+        if self.on_nonfinite not in ("raise", "warn", "ignore"):
+            raise ValueError(f"model.on_nonfinite = {self.on_nonfinite!r}; use 'raise', 'warn' or 'ignore'")
         outcomes = self.engine.run(plans)
         for plan, outcome in zip(plans, outcomes):
             for key, proxy in plan.prompt.kept + (plan.decode.kept if plan.decode is not None else []):
                 torch.utils.swap_tensors(proxy, outcome.results.result(key).to(self.cfg.dtype))
+        self._report_nonfinite(plans, outcomes)
         return outcomes
+
+    def _report_nonfinite(self, plans: list[PassPlan], outcomes: list) -> None:
+        """Hooks that wrote NaN or infinite values, named with the rows of the call they hit. The
+        engine has already kept them from every other request (backend/vllm/runtime.py)."""
+        where = {}
+        for plan, outcome in zip(plans, outcomes):
+            for point, rows in outcome.results.nonfinite.items():
+                where.setdefault(point, set()).update(plan.call_rows[r] if plan.call_rows else r for r in rows)
+        if not where or self.on_nonfinite == "ignore":
+            return
+        message = ("hooks wrote NaN or infinite values: " + "; ".join(f"{point} in rows {sorted(rows)}"
+                                                                      for point, rows in where.items())
+                   + ". Other requests are unaffected (the engine's KV cache was cleared of them). Check the "
+                   "hooks for a division by zero, a log of a non-positive value or an overflow; set "
+                   "model.on_nonfinite = 'warn' (or 'ignore') to get the results anyway")
+        if self.on_nonfinite == "raise":
+            raise NonFiniteError(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
 
     # --- apps (xmix_lens/app.py) ---------------------------------------------------------------------
     @property
@@ -667,6 +690,10 @@ class HookedServedModel:
             if app.param_versions() != reg.lowered_versions[name]:
                 self._lower_resident(app)
                 app.version += 1
+
+
+class NonFiniteError(RuntimeError):
+    """Hooks wrote NaN or infinite values into a call's activations (model.on_nonfinite = "raise")."""
 
 
 _INSTALL_TRACE_SHAPE = (1, 16)  # the pass an app is traced for at install, to fail early on bad sizes

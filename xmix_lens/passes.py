@@ -31,3 +31,4 @@ class PassPlan:
     max_new_tokens: int = 1  # a forward pass samples one token, which nobody reads
     sampling: dict = field(default_factory=dict)  # vLLM SamplingParams fields
     apps: list[tuple[str, ...]] | None = None  # per row: the installed apps it selects
+    call_rows: list[int] | None = None  # each row's index in the call's input (None: the same)

@@ -1,6 +1,8 @@
 """Everything that depends on vLLM's internals and versions (CPU 0.27.1, GPU 0.26.0) lives here."""
 import dataclasses
 
+import torch
+
 from vllm.forward_context import get_forward_context, is_forward_context_available
 
 
@@ -101,6 +103,14 @@ def _hook_gpu_runner(runner, runtime) -> None:
                                    uniform_token_count=None)
 
     manager.dispatch = dispatch_unless_eager
+
+
+def clear_nonfinite_kv(runner) -> None:
+    """NaN and infinite values in the engine's KV cache set to 0 (a finite value in a slot no
+    request attends to changes nothing: its attention weight is exactly 0)."""
+    for cache in getattr(runner, "kv_caches", None) or ():
+        if cache is not None and cache.is_floating_point():
+            torch.nan_to_num_(cache, nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def step_requests(runner) -> tuple[list[str], list[int]]:

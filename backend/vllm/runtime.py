@@ -47,6 +47,8 @@ class Pass:
     rows: dict[str, int] = field(default_factory=dict)  # vLLM request id -> batch row
     reads: dict[object, torch.Tensor] = field(default_factory=dict)  # read key -> host tensor [B, P, ...]
     read_ops: dict[object, LoweredOp] = field(default_factory=dict)
+    # site id -> int32 [B] on the device: per row, how many writes there left NaN or infinite values
+    nonfinite: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def phases(self):
         return [(False, self.prefill)] + ([(True, self.decode)] if self.decode is not None else [])
@@ -64,6 +66,8 @@ class PassResults:
 
     values: dict[object, torch.Tensor]
     app_results: list[dict]
+    nonfinite: dict[str, list[int]] = field(default_factory=dict)  # hook point -> rows whose writes there
+    #                                                                  left NaN or infinite values
 
     def result(self, key) -> torch.Tensor:
         return self.values[key]
@@ -157,10 +161,17 @@ class SiteRuntime:
         for pass_id in pass_ids:
             p = self.passes.pop(pass_id)
             in_order = sorted(p.rows, key=p.rows.get)
+            nonfinite = {self.site_names[site]: rows.nonzero().flatten().tolist()
+                         for site, rows in p.nonfinite.items() if bool(rows.any())}
             finished.append(PassResults({key: p.result(key) for key in p.reads},
-                                        [self.control.take_results(r) for r in in_order]))
+                                        [self.control.take_results(r) for r in in_order], nonfinite))
         for req_id in req_ids:
             self.control.forget(req_id)
+        if any(results.nonfinite for results in finished):
+            # the pass's KV blocks hold them; freed, they would reach the requests that reuse the
+            # blocks (a stale slot times a zero attention weight is NaN): every request finished
+            # here, so nothing in flight reads the cache while it is cleared
+            adapter.clear_nonfinite_kv(self.model_runner)
         return finished if self.tp_rank == 0 else None  # rank 0 answers; the others send nothing back
 
     # --- placing ops on this rank ---------------------------------------------------------------
@@ -194,9 +205,11 @@ class SiteRuntime:
                  list(prompt_lens), list(pad_offsets))
         self._next_pass_id += 1
         for _, phase in p.phases():
-            for site_ops in phase.ops.values():
+            for site, site_ops in phase.ops.items():
                 for op in site_ops:
                     op = op.op if isinstance(op, sharding.Placed) else op
+                    if isinstance(op, (AffineWrite, GeneratedWrite)) and site not in p.nonfinite:
+                        p.nonfinite[site] = torch.zeros(p.batch, dtype=torch.int32, device=self.device)
                     if isinstance(op, (Read, GeneratedRead)) and op.store is None and self.tp_rank == 0:
                         lead = (p.batch, phase.padded_len) if op.keeps_pos else (p.batch,)
                         p.reads[op.key] = torch.zeros(*lead, *op.feature_shape, dtype=torch.float32)
@@ -250,7 +263,7 @@ class SiteRuntime:
         for p in self.passes.values():
             for decode, phase in p.phases():
                 for op in phase.ops.get(site_id, ()):
-                    self._run_op(x, p, decode, phase, op)
+                    self._run_op(x, site_id, p, decode, phase, op)
 
     def _selected(self, p: Pass, decode: bool, phase: Phase, positions: torch.Tensor | None) -> torch.Tensor:
         step = self.step
@@ -259,7 +272,7 @@ class SiteRuntime:
             chosen &= positions[step.padded_pos.clamp(max=phase.padded_len - 1)]
         return chosen.nonzero().flatten()
 
-    def _run_op(self, x: torch.Tensor, p: Pass, decode: bool, phase: Phase, op) -> None:
+    def _run_op(self, x: torch.Tensor, site_id: int, p: Pass, decode: bool, phase: Phase, op) -> None:
         placed = op if isinstance(op, sharding.Placed) else None
         op = placed.op if placed is not None else op
         # the same tokens on every rank: a collective below is called by all ranks or by none
@@ -272,6 +285,10 @@ class SiteRuntime:
         with sharding.on_site(placed, x, self.comm) as x:
             if isinstance(op, (AffineWrite, GeneratedWrite)):
                 self.executor.run(op, x, rows, flat_index)
+                # a per-row count on the device, read when the pass closes: no host sync here
+                written = x.index_select(0, rows.long())
+                bad = (~torch.isfinite(written)).any(-1).int()
+                p.nonfinite[site_id].index_add_(0, self.step.row[tokens].to(x.device), bad)
                 return
             values = torch.empty(rows.numel(), _numel(op.feature_shape), dtype=torch.float32, device=x.device)
             dest = torch.arange(rows.numel(), dtype=torch.int32, device=x.device)

@@ -47,9 +47,9 @@ class Apps:
 def install_resident(model, name, hooks):
     """Lower hooks as an installed app's and make them resident in the engine, below the App API;
     returns the (read key, proxy) pairs of the values they keep."""
-    ops, kept = model._lower_app(name, hooks)
-    model.engine.install_app(name, ops)
-    return kept
+    traced = model._lower_app(name, hooks)
+    model.engine.install_app(name, traced.ops)
+    return traced.kept
 
 
 @pytest.fixture(scope="module")
@@ -145,12 +145,12 @@ def test_toggles_are_buffer_writes(installed, monkeypatch):
         model.engine.runtime.set_default_apps(())
     assert launched() == first
     info = model.engine.runtime.set_app_params("cp-steer", model._lower_app("cp-steer", [
-        ("blocks.0.hook_resid_post", lambda act, hook: act - apps.v)])[0])
+        ("blocks.0.hook_resid_post", lambda act, hook: act - apps.v)]).ops)
     try:
         reversed_, _ = run_selected(model, PROMPTS[:1], [{"cp-steer"}])
         assert launched() == first
     finally:
-        model.engine.runtime.set_app_params("cp-steer", model._lower_app("cp-steer", apps.steer())[0])
+        model.engine.runtime.set_app_params("cp-steer", model._lower_app("cp-steer", apps.steer()).ops)
     assert info.version >= 1
     assert [tuple(t.data_ptr() for t in vars(o.op).values() if isinstance(t, torch.Tensor)) for o in resident] \
         == addresses
@@ -165,7 +165,7 @@ def test_toggles_are_buffer_writes(installed, monkeypatch):
 
 def test_new_parameters_of_another_structure_are_refused(installed):
     model, apps, _ = installed
-    gated = model._lower_app("cp-steer", apps.gate())[0]
+    gated = model._lower_app("cp-steer", apps.gate()).ops
     with pytest.raises(ValueError, match="install it as a new app"):
         model.engine.runtime.set_app_params("cp-steer", gated)
     assert torch.isfinite(run_selected(model, PROMPTS[:1], [{"cp-steer"}])[0]).all()  # still serving
@@ -174,7 +174,7 @@ def test_new_parameters_of_another_structure_are_refused(installed):
 def test_bad_installs_are_clear_errors(installed):
     model, apps, _ = installed
     with pytest.raises(ValueError, match="installed already"):
-        model.engine.runtime.install_app("cp-steer", model._lower_app("cp-steer", apps.steer())[0])
+        model.engine.runtime.install_app("cp-steer", model._lower_app("cp-steer", apps.steer()).ops)
     def zero_last(act, hook):
         act[:, -1] = 0
 

@@ -117,8 +117,15 @@ def test_app_params_reach_the_engine_every_way(served):
     model = served[MODEL]
     v = vector(model.cfg.d_model, 3)
     param = v.clone()
-    app = App("rel-steer", fwd_hooks=[(SITE, lambda act, hook: act + param)], params={"v": param})
+    calls = []
+
+    def steer(act, hook):
+        calls.append(hook.name)
+        return act + param
+
+    app = App("rel-steer", fwd_hooks=[(SITE, steer)], params={"v": param})
     model.install(app)
+    traced_at_install = len(calls)
 
     def per_call(w):
         return model.run_with_hooks(PROMPTS, fwd_hooks=add(w))
@@ -140,6 +147,9 @@ def test_app_params_reach_the_engine_every_way(served):
         assert app.version == version and torch.equal(app.params["v"], v)
         assert (with_app() - per_call(v)).abs().max() < 1e-4
         assert (per_call(v) - per_call(-v)).abs().max() > 1e-1
+        # new values were lowered from the app's graphs, its parameters named inputs there: the
+        # hook function was not called again
+        assert len(calls) == traced_at_install
     finally:
         model.uninstall("rel-steer")
     assert app.installed_in == []

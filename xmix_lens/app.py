@@ -129,6 +129,8 @@ class AppRegistry:
         # name -> the app's param_versions() when its resident ops were last lowered: a write into
         # app.params in place is seen, and the engine's copy updated, before the next call uses it
         self.lowered_versions: dict[str, tuple] = {}
+        # name -> a resident app's graphs, its parameters as named inputs: set_params lowers them again
+        self.graphs: dict[str, list] = {}
 
     def check_names(self, names: Iterable[str], where: str) -> list[str]:
         names = [names] if isinstance(names, str) else list(names)

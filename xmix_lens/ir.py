@@ -14,8 +14,9 @@ Ops (n: a node, c: a constant tensor):
                                  (the dim is dropped) or a tuple of ints (kept)
   write(version, n, pos, heads)  version with n written at those positions and heads
   reshape(n, shape) / permute(n, dims)   of the feature dims only
-  linear(n, fn)                  a linear map of the feature dims by a constant (matmul, einsum,
-                                 sum over features): fn is applied to an identity basis to get it
+  param(name)                    an installed app's parameter, by name (its value comes with lowering)
+  linear(n, fn, *c)              a linear map of the feature dims by constants (matmul, einsum, sum
+                                 over features): fn(basis, *values of c) applied to an identity basis
   <elementwise>(n, ...)          the op table's elementwise ops (xmix_lens/ops.py): add sub mul div
                                  neg abs pow relu gelu sigmoid tanh exp log gt ge lt le eq ne
                                  logical_and logical_or logical_not where clamp
@@ -54,6 +55,7 @@ class Graph:
     nodes: list[Node] = field(default_factory=list)
     reads: dict[int, Node] = field(default_factory=dict)  # read key -> node whose value is read
     stores: dict = field(default_factory=dict)  # StoreSpec -> node whose value it takes (store.put)
+    params: dict = field(default_factory=dict)  # app parameter name -> its param node
     output: Node | None = None  # the final version of act after all hooks
 
     def add(self, op: str, args: tuple, shape, token_dims: int, where: str = "") -> Node:
@@ -90,42 +92,47 @@ def index_key(token_dims: int, pos, heads) -> tuple:
     return tuple(key)
 
 
-def evaluate(graph: Graph, act: torch.Tensor, stores: dict | None = None) -> dict[Node, torch.Tensor]:
+def evaluate(graph: Graph, act: torch.Tensor, stores: dict | None = None,
+             params: dict | None = None) -> dict[Node, torch.Tensor]:
     """Run the graph eagerly in torch on a padded activation; returns every node's value.
 
-    `stores` maps each StoreSpec the graph reads to its value [batch, pos, ...]."""
+    `stores` maps each StoreSpec the graph reads to its value [batch, pos, ...]; `params` each app
+    parameter name to its tensor."""
     env: dict[Node, torch.Tensor] = {}
-
-    def val(a):
-        return env[a] if isinstance(a, Node) else a
-
     for n in graph.nodes:
-        a = [val(x) for x in n.args]
+        a = [env[x] if isinstance(x, Node) else x for x in n.args]
         if n.op == "act":
             env[n] = act
-        elif n.op == "const":
-            env[n] = a[0]
         elif n.op == "store":
             env[n] = stores[a[0]]
-        elif n.op in OPS and OPS[n.op].torch is not None:  # elementwise ops, reductions, softmax, topk_mask
-            env[n] = OPS[n.op].torch(*a)
-        elif n.op == "linear":
-            env[n] = a[1](a[0])
-        elif n.op == "reshape":
-            env[n] = a[0].reshape(a[0].shape[: n.token_dims] + tuple(a[1]))
-        elif n.op == "permute":
-            env[n] = a[0].permute(*range(n.token_dims), *(n.token_dims + d for d in a[1]))
-        elif n.op == "select":
-            x, pos, heads = a
-            if pos is not None:
-                x = x[:, list(pos) if isinstance(pos, tuple) else pos]
-            if heads is not None:
-                x = x[(slice(None),) * n.token_dims + (list(heads) if isinstance(heads, tuple) else heads,)]
-            env[n] = x
-        elif n.op == "write":
-            out = a[0].clone()
-            out[index_key(2, a[2], a[3])] = a[1]
-            env[n] = out
+        elif n.op == "param":
+            env[n] = params[a[0]]
         else:
-            raise ValueError(f"unknown op {n.op}")
+            env[n] = evaluate_node(n, a)
     return env
+
+
+def evaluate_node(n: Node, a: list):
+    """One node's value from its arguments' values (every op but act, store and param)."""
+    if n.op == "const":
+        return a[0]
+    if n.op in OPS and OPS[n.op].torch is not None:  # elementwise ops, reductions, softmax, topk_mask
+        return OPS[n.op].torch(*a)
+    if n.op == "linear":
+        return a[1](a[0], *a[2:])
+    if n.op == "reshape":
+        return a[0].reshape(a[0].shape[: n.token_dims] + tuple(a[1]))
+    if n.op == "permute":
+        return a[0].permute(*range(n.token_dims), *(n.token_dims + d for d in a[1]))
+    if n.op == "select":
+        x, pos, heads = a
+        if pos is not None:
+            x = x[:, list(pos) if isinstance(pos, tuple) else pos]
+        if heads is not None:
+            x = x[(slice(None),) * n.token_dims + (list(heads) if isinstance(heads, tuple) else heads,)]
+        return x
+    if n.op == "write":
+        out = a[0].clone()
+        out[index_key(2, a[2], a[3])] = a[1]
+        return out
+    raise ValueError(f"unknown op {n.op}")

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .ir import Graph, Node
+from .ir import Graph, Node, evaluate_node
 from .lowered import AffineWrite, GeneratedRead, GeneratedWrite, LoweredOp, Read, TokenOp, TokenProgram
 from .ops import OPS
 from .trace import TraceError
@@ -95,8 +95,9 @@ def _fail(node: Node, graph: Graph, what: str) -> TraceError:
 
 
 class Lowerer:
-    def __init__(self, graph: Graph):
+    def __init__(self, graph: Graph, params: dict[str, torch.Tensor] | None = None):
         self.graph = graph
+        self.params = params or {}  # app parameter name -> value, for the graph's param nodes
         B, P, *features = graph.act_shape
         self.B, self.P, self.act_features = B, P, tuple(features)
         self.F = _numel(features)
@@ -206,6 +207,12 @@ class Lowerer:
                                    torch.zeros(self.F), n.feature_shape, Span())
         elif n.op == "const":
             self.forms[n] = args[0]
+        elif n.op == "param":
+            if args[0] not in self.params:
+                raise _fail(n, g, f"app parameter {args[0]!r} has no value (lower(graph, params=...))")
+            self.forms[n] = self.params[args[0]].detach().to("cpu", torch.float32)
+        elif not traced and n.op not in ("write", "store"):  # from constants and parameters alone: a value
+            self.forms[n] = evaluate_node(n, args)
         elif n.op == "store":  # filled on the device by an earlier hook point, read per token
             spec = args[0]
             length = None if spec.feature_shape == () else _numel(spec.feature_shape)
@@ -227,7 +234,7 @@ class Lowerer:
         elif n.op == "linear" and isinstance(args[0], Affine):
             a = args[0]
             basis = torch.eye(a.O).reshape((a.O,) + a.feature_shape)
-            M = n.args[1](basis).reshape(a.O, -1)
+            M = n.args[1](basis, *args[2:]).reshape(a.O, -1)
             self.forms[n] = self.linear(a, M, n.feature_shape)
         elif n.op == "select":
             self.forms[n] = self.select(n, args[0], args[1], args[2])
@@ -279,7 +286,7 @@ class Lowerer:
         if n.op == "linear":
             e = self.as_vector(self.to_expr(like) if isinstance(like, Affine) else like)
             basis = torch.eye(_numel(like.feature_shape)).reshape((_numel(like.feature_shape),) + like.feature_shape)
-            M = n.args[1](basis).reshape(_numel(like.feature_shape), -1)
+            M = n.args[1](basis, *args[2:]).reshape(_numel(like.feature_shape), -1)
             out = Expr("matmul", (e, M), M.shape[1], like.version, like.span, n.feature_shape)
             return Expr("sum", (out,), None, like.version, like.span, ()) if length is None else out
         if n.op in ("reshape", "permute"):
@@ -418,9 +425,9 @@ def linearize(root: Expr) -> TokenProgram:
     return TokenProgram(ops, consts, out)
 
 
-def lower(graph: Graph) -> list[LoweredOp]:
+def lower(graph: Graph, params: dict[str, torch.Tensor] | None = None) -> list[LoweredOp]:
     """Lower one hook point's graph to its site's ops, in program order (reads at their version)."""
-    lowerer = Lowerer(graph)
+    lowerer = Lowerer(graph, params)
     reads_at: dict[Node, list] = {}  # version -> reads (to the host) and store puts of that version
     for key, n in graph.reads.items():
         reads_at.setdefault(_version_of(n, graph), []).append(((graph.phase, graph.hook_name, key), n, None))

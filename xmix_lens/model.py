@@ -25,7 +25,7 @@ from .lower import lower
 from .lowered import Read, describe
 from .model_files import resolve_model
 from .passes import PassPlan, PhaseOps
-from .trace import TraceError, Tracer
+from .trace import TraceError, Tracer, as_parameters
 
 HookFn = Callable[..., torch.Tensor | None]
 HookSpec = tuple[str | Callable[[str], bool], HookFn]
@@ -131,7 +131,8 @@ class HookedServedModel:
         model = cls(model_dir, cfg, tokenizer)
         armed_names = armed if armed == "all" else [hook_points.canonical_name(n) for n in armed]
         # lowered now, resident while the engine builds its model: before CUDA-graph capture
-        resident = [(app.name, model._lower_app(app.name, app.fwd_hooks)[0]) for app in apps]
+        resident = [(app.name, model._lower_app(app.name, app.fwd_hooks, getattr(app, "params", None)).ops)
+                    for app in apps]
         model.engine = VllmEngine.build(model_dir, family, torch_dtype, cfg.n_heads,
                                         max_model_len or min(cfg.n_ctx, 2048), enforce_eager, armed_names, resident,
                                         cfg.d_vocab, **engine_kwargs)
@@ -475,10 +476,11 @@ class HookedServedModel:
 
     # --- tracing and running passes -----------------------------------------------------------------
     def _trace_hooks(self, B: int, P: int, inherited=None, phase: str = "prefill",
-                     hooks: dict[str, list[HookFn]] | None = None) -> PhaseOps:
+                     hooks: dict[str, list[HookFn]] | None = None, params: dict | None = None) -> PhaseOps:
         """Trace every hook function once for this view of the pass, in firing order, then lower
         each hook point. `inherited`: the prompt's per-request stores, seen by generated tokens.
-        `hooks`: hook point -> functions; by default those on the hook points."""
+        `hooks`: hook point -> functions; by default those on the hook points. `params`: the values
+        of app parameters traced as graph inputs (trace.as_parameters)."""
         if hooks is None:
             hooks = {name: [h.hook for h in hp.fwd_hooks] for name, hp in self.hook_dict.items()}
         session = stores.TraceSession(B, P, inherited=dict(inherited or {}))
@@ -491,20 +493,26 @@ class HookedServedModel:
                 kept += [((phase, name, key), p) for key, p in enumerate(tracer.finish())]
                 tracers.append(tracer)
         session.allocate(self.engine.device if self.engine is not None else torch.device("cpu"))
-        ops = {t.graph.hook_name: site_ops for t in tracers if (site_ops := lower(t.graph))}
+        ops = {t.graph.hook_name: site_ops for t in tracers if (site_ops := lower(t.graph, params))}
         return PhaseOps(P, ops, kept, [t.graph for t in tracers], session.per_request())
 
-    def _lower_app(self, name: str, fwd_hooks: Iterable[HookSpec]) -> tuple[dict, list]:
+    def _lower_app(self, name: str, fwd_hooks: Iterable[HookSpec], params: dict | None = None) -> PhaseOps:
         """An installed app's hooks, traced for one token ([1, 1, ...]: they run on every token of
-        the requests that select them) and lowered: (ops per hook point, kept (read key, proxy)).
-        Only these hooks are traced, whatever else is on the hook points."""
+        the requests that select them) and lowered. Only these hooks are traced, whatever else is
+        on the hook points. With `params` (the App's), each parameter is a named input of the
+        graphs, so that new values are lowered again from the graphs without calling the hooks."""
         hooks: dict[str, list[HookFn]] = {}
         for point, fn in self._check_hooks(fwd_hooks, ()):
             hooks.setdefault(point, []).append(fn)
-        traced = self._trace_hooks(1, 1, hooks=hooks)
+        if params:
+            values = {key: value.detach().clone() for key, value in params.items()}
+            with as_parameters(params):
+                traced = self._trace_hooks(1, 1, hooks=hooks, params=values)
+        else:
+            traced = self._trace_hooks(1, 1, hooks=hooks)
         if traced.per_request_stores:
             raise ValueError(f"app {name!r}: installed apps do not use stores yet; run its hooks with run_with_hooks")
-        return traced.ops, traced.kept
+        return traced
 
     def _groups(self, selection: list[tuple[str, ...]] | None, n_rows: int) -> list[RowGroup]:
         """One group of rows per app subset (all rows, no apps, without a selection)."""
@@ -613,19 +621,21 @@ class HookedServedModel:
         reads in app.outputs; otherwise it stays traced per call. An engine out of room for them
         is an error (backend/vllm/control.py), never a silent fall-back to per-call hooks."""
         try:
-            ops, kept = self._lower_app(app.name, app.fwd_hooks)
+            traced = self._lower_app(app.name, app.fwd_hooks, app.params)
             names = {id(value): key for key, value in app.outputs.items()}
         except (TraceError, ValueError, NotImplementedError):
-            return  # its hooks need a pass's shape (positions, stores): traced per call
+            return  # its hooks need a pass's shape (positions, stores) or a parameter's value: per call
         finally:
             app.outputs.clear()
-        if any(id(proxy) not in names for _, proxy in kept):
+        if any(id(proxy) not in names for _, proxy in traced.kept):
             return  # it keeps values elsewhere than in app.outputs: only a traced pass returns them
-        if self.engine.why_not_resident(app.name, ops) is not None:
+        if self.engine.why_not_resident(app.name, traced.ops) is not None:
             return  # not per token: traced per call
-        self.engine.install_app(app.name, ops)
-        self.app_registry.resident[app.name] = {key: (names[id(proxy)], tuple(proxy.shape[2:])) for key, proxy in kept}
-        self.app_registry.lowered_versions[app.name] = app.param_versions()
+        self.engine.install_app(app.name, traced.ops)
+        reg = self.app_registry
+        reg.resident[app.name] = {key: (names[id(proxy)], tuple(proxy.shape[2:])) for key, proxy in traced.kept}
+        reg.graphs[app.name] = traced.graphs
+        reg.lowered_versions[app.name] = app.param_versions()
 
     @one_call_at_a_time
     def uninstall(self, name: str) -> App:
@@ -634,7 +644,7 @@ class HookedServedModel:
         reg.deactivate([name])
         if reg.resident.pop(name, None) is not None:
             self.engine.uninstall_app(name)
-            del reg.lowered_versions[name]
+            del reg.lowered_versions[name], reg.graphs[name]
         app = reg.apps.pop(name)
         app.installed_in.remove(self)
         return app
@@ -672,12 +682,11 @@ class HookedServedModel:
         return app.version
 
     def _lower_resident(self, app: App) -> None:
-        """The engine's copy of a resident app's tensors, lowered again from app.params and copied
-        in place (refused, changing nothing, if the new values change what its hooks do)."""
-        try:
-            ops = self._lower_app(app.name, app.fwd_hooks)[0]
-        finally:
-            app.outputs.clear()
+        """The engine's copy of a resident app's tensors, lowered again from its graphs with the
+        values in app.params (the hooks are not called) and copied in place: refused, changing
+        nothing, if the new values change what its hooks do."""
+        graphs = self.app_registry.graphs[app.name]
+        ops = {g.hook_name: site_ops for g in graphs if (site_ops := lower(g, app.params))}
         self.engine.set_app_params(app.name, ops)
         self.app_registry.lowered_versions[app.name] = app.param_versions()
 

@@ -8,6 +8,7 @@ keeps (stored in a dict or list it closes over) becomes a read; when the pass en
 in place, for the real tensor (`torch.utils.swap_tensors`), so the user's container holds values.
 Anything outside the IR raises `TraceError` naming the hook, the line and the supported form.
 """
+import contextlib
 import contextvars
 import os
 import sys
@@ -106,8 +107,60 @@ class TracedTensor(torch.Tensor):
                 return func(*args, **kwargs)
         # the tracer of the hook being called: a value from an earlier hook point (kept in a dict)
         # is used here, not recorded into the graph it came from
-        tracer = current_tracer() or next(a._tracer for a in _flat(args, kwargs) if isinstance(a, TracedTensor))
+        tracer = current_tracer() or next(a._tracer for a in _flat(args, kwargs)
+                                          if isinstance(a, TracedTensor) and not isinstance(a, ParamProxy))
         return tracer.record(name, *tracer.localized(args, kwargs))
+
+
+def _matmul(t: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
+    return t @ W
+
+
+class ParamProxy(TracedTensor):
+    """An app parameter while its app is traced for the engine (`as_parameters`): a named input
+    of the graph, not a constant, so that new values are lowered again without calling the hooks.
+    It belongs to whichever hook's tracer uses it."""
+
+    _param: str
+
+    @staticmethod
+    def __new__(cls, name: str, like: torch.Tensor):
+        t = torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype, device="meta")
+        t._param = name
+        return t
+
+    @property
+    def _tracer(self) -> "Tracer":
+        tracer = current_tracer()
+        if tracer is None:
+            raise TraceError(f"app parameter {self._param!r} used outside a hook while its app is traced")
+        return tracer
+
+    @property
+    def _node(self) -> Node:
+        return self._tracer.param_node(self._param, tuple(self.shape))
+
+    _view = None
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        return f"ParamProxy({self._param!r}, {list(self.shape)})"
+
+
+@contextlib.contextmanager
+def as_parameters(params: dict[str, torch.Tensor]):
+    """The tensors of `params` stand for named graph inputs while the block traces hooks that
+    closed over them: each is swapped in place (torch.utils.swap_tensors) with a ParamProxy, and
+    swapped back after, also when the block raises."""
+    proxies = {name: ParamProxy(name, tensor) for name, tensor in params.items()}
+    swapped = []
+    try:
+        for name, tensor in params.items():
+            torch.utils.swap_tensors(tensor, proxies[name])
+            swapped.append(name)
+        yield
+    finally:
+        for name in swapped:
+            torch.utils.swap_tensors(params[name], proxies[name])
 
 
 def _flat(args, kwargs):
@@ -152,7 +205,7 @@ class Tracer:
             _calling.reset(token)
         if result is None or (isinstance(result, TracedTensor) and result._node is self.version):
             return
-        if isinstance(result, TracedTensor) and result._tracer is not self:
+        if isinstance(result, TracedTensor) and not isinstance(result, ParamProxy) and result._tracer is not self:
             # a value kept at an earlier hook point (`return saved["a"]`): shared through a store
             result = self.proxy(self.imported(result))
         if not isinstance(result, TracedTensor) or result.shape != act.shape:
@@ -177,6 +230,8 @@ class Tracer:
 
     # --- recording ops --------------------------------------------------------------------------
     def node_of(self, x) -> Node:
+        if isinstance(x, ParamProxy):
+            return x._node
         if isinstance(x, TracedTensor) and x._tracer is not self:
             return self.imported(x)
         if isinstance(x, TracedTensor):
@@ -196,12 +251,11 @@ class Tracer:
             op, a, b = op[1:], b, a
         na, nb = self.node_of(a), self.node_of(b)
         if op == "matmul":
-            if nb.token_dims or nb.op != "const" or nb.shape == () or na.token_dims == 0:
+            if nb.token_dims or nb.shape == () or na.token_dims == 0:
                 raise self.fail("matmul needs a traced value on the left and a constant vector or matrix on the right")
-            W = nb.args[0]
-            if na.shape[-1] != W.shape[0]:
-                raise self.fail(f"matmul of {list(na.shape)} with {list(W.shape)}: inner sizes differ")
-            return self.linear(na, lambda t, W=W: t @ W, na.shape[:-1] + W.shape[1:], "matmul")
+            if na.shape[-1] != nb.shape[0]:
+                raise self.fail(f"matmul of {list(na.shape)} with {list(nb.shape)}: inner sizes differ")
+            return self.linear(na, _matmul, na.shape[:-1] + nb.shape[1:], "matmul", nb)
         try:
             shape = tuple(torch.broadcast_shapes(na.shape, nb.shape))
         except RuntimeError:
@@ -221,10 +275,11 @@ class Tracer:
         n = self.node_of(args[0])
         return self.add(name, (n,), n.shape, n.token_dims)
 
-    def linear(self, n: Node, fn: Callable, shape, label: str) -> Node:
-        """A linear map of n's feature dims by constants; fn maps [k, *features] -> [k, *out_features]."""
+    def linear(self, n: Node, fn: Callable, shape, label: str, *constants: Node) -> Node:
+        """A linear map of n's feature dims by constants: fn(t, *constants' values) maps
+        [k, *features] -> [k, *out_features]."""
         fn.label = label
-        return self.add("linear", (n, fn), shape, n.token_dims)
+        return self.add("linear", (n, fn, *constants), shape, n.token_dims)
 
     def reduce(self, name: str, x: "TracedTensor", args: tuple, kwargs: dict):
         n = x._node
@@ -251,7 +306,7 @@ class Tracer:
     def localized(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Arguments with values traced at other hook points replaced by this graph's store reads."""
         def local(a):
-            if isinstance(a, TracedTensor) and a._tracer is not self:
+            if isinstance(a, TracedTensor) and not isinstance(a, ParamProxy) and a._tracer is not self:
                 return self.proxy(self.imported(a))
             if isinstance(a, (list, tuple)):
                 return type(a)(local(b) for b in a)
@@ -324,6 +379,12 @@ class Tracer:
             return self.inplace(x, self.node_of(0.0 if name == "zero_" else args[1]))
         raise self.fail(f"`{name}` is not in the hook IR")
 
+    def param_node(self, name: str, shape: tuple[int, ...]) -> Node:
+        """This graph's node of an app parameter (one per name)."""
+        if name not in self.graph.params:
+            self.graph.params[name] = self.graph.add("param", (name,), shape, 0)
+        return self.graph.params[name]
+
     # --- stores: values shared with hooks at other hook points -----------------------------------
     def store_put(self, name: str, value: "TracedTensor", reduce: str | None, session: TraceSession) -> StoreSpec:
         n = value._node
@@ -392,7 +453,7 @@ class Tracer:
                             "output, without '...'")
         ins, out = equation.split("->")
         subs = ins.split(",")
-        traced_at = [i for i, o in enumerate(operands) if isinstance(o, TracedTensor)]
+        traced_at = [i for i, o in enumerate(operands) if isinstance(o, TracedTensor) and o._node.token_dims]
         if len(traced_at) != 1:
             raise self.fail("einsum needs exactly one traced operand; the other must be a constant")
         t = traced_at[0]
@@ -405,10 +466,9 @@ class Tracer:
         # the same contraction over the features, for any leading dims (tokens, or a basis)
         feat = ["..." + subs[t][td:], subs[1 - t]] if t == 0 else [subs[1 - t], "..." + subs[t][td:]]
         feature_eq = f"{feat[0]},{feat[1]}->...{out[td:]}"
-        W = const.args[0]
-        fn = (lambda b, W=W: torch.einsum(feature_eq, b, W)) if t == 0 else (lambda b, W=W: torch.einsum(feature_eq, W, b))
+        fn = (lambda b, W: torch.einsum(feature_eq, b, W)) if t == 0 else (lambda b, W: torch.einsum(feature_eq, W, b))
         shape = tuple(torch.einsum(equation, *[torch.empty(o.shape, device="meta") for o in operands]).shape)
-        return self.proxy(self.linear(n, fn, shape, f"einsum({equation})"))
+        return self.proxy(self.linear(n, fn, shape, f"einsum({equation})", const))
 
     # --- indexing ----------------------------------------------------------------------------------
     def parse_index(self, node: Node, key):

@@ -162,7 +162,7 @@ def test_toggles_change_results_without_recapture(engine):
     finally:
         model.engine.runtime.set_default_apps(())
     off, _ = generate(model, [set()] * len(PROMPTS))
-    model.engine.runtime.set_app_params("steer", model._lower_app("steer", hooks.apps(v=-hooks.v)["steer"])[0])
+    model.engine.runtime.set_app_params("steer", model._lower_app("steer", hooks.apps(v=-hooks.v)["steer"]).ops)
     reversed_, _ = generate(model, [{"steer"}] * len(PROMPTS))
     per_call = [model.generate(p, max_new_tokens=NEW, do_sample=False, return_type="tokens", stop_at_eos=False,
                                fwd_hooks=hooks.apps(v=-hooks.v)["steer"])[0, len(model.to_tokens(p)[0]):].tolist()

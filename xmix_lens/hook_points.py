@@ -138,5 +138,10 @@ def resolve(hook_dict: dict[str, HookPoint], name_or_filter: str | Callable[[str
     for pattern, why in _UNSUPPORTED.items():
         if re.fullmatch(pattern, name):
             raise ValueError(f"hook point {name_or_filter!r} is not available in the served model: {why}")
+    layer = re.match(r"blocks\.(\d+)\.", name)
+    n_layers = len({n.split(".")[1] for n in hook_dict if n.startswith("blocks.")})
+    if layer is not None and int(layer.group(1)) >= n_layers:
+        raise ValueError(f"unknown hook point {name_or_filter!r}: layer {layer.group(1)} is out of range: this model "
+                         f"has {n_layers} layers, blocks.0 … blocks.{n_layers - 1}; use a layer below {n_layers}")
     near = difflib.get_close_matches(name, list(hook_dict), n=5, cutoff=0.6)
     raise ValueError(f"unknown hook point {name_or_filter!r}; nearest valid names: {near or sorted(hook_dict)[:5]}")

@@ -25,7 +25,7 @@ from .lower import lower
 from .lowered import Read, describe
 from .model_files import resolve_model
 from .passes import PassPlan, PhaseOps
-from .trace import TraceError, Tracer, as_parameters
+from .trace import TraceError, Tracer, as_parameters, hook_that_raised
 
 HookFn = Callable[..., torch.Tensor | None]
 HookSpec = tuple[str | Callable[[str], bool], HookFn]
@@ -163,12 +163,14 @@ class HookedServedModel:
     # --- tokens (TransformerLens's rules) -------------------------------------------------------
     def _tokenize(self, input: str | list[str], prepend_bos: bool | None, padding_side: str | None):
         prepend_bos = self.cfg.default_prepend_bos if prepend_bos is None else prepend_bos
-        texts = [input] if isinstance(input, str) else list(input)
+        side = _padding_side(padding_side) or self.tokenizer.padding_side
+        texts = [input] if isinstance(input, str) else list(input) if isinstance(input, (list, tuple)) else None
+        if not texts or not all(isinstance(t, str) for t in texts):
+            raise _bad_input(input)
         rows = [self.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
         if prepend_bos:
             rows = [[self.tokenizer.bos_token_id] + r for r in rows]
         width = max(len(r) for r in rows)
-        side = padding_side or self.tokenizer.padding_side
         tokens = torch.full((len(rows), width), self.tokenizer.pad_token_id, dtype=torch.long)
         mask = torch.zeros(len(rows), width, dtype=torch.long)
         for i, r in enumerate(rows):
@@ -179,9 +181,14 @@ class HookedServedModel:
 
     def to_tokens(self, input: str | list[str], prepend_bos: bool | None = None, padding_side: str | None = None,
                   move_to_device: bool = True, truncate: bool = True) -> torch.Tensor:
+        """Tokens [batch, pos] of a string or a list of strings, padded on `padding_side` ("left" or
+        "right"; None: the tokenizer's side). With `truncate`, rows are cut to what the model can
+        take: the engine's max_model_len (from_pretrained(max_model_len=...)), which may be less than
+        cfg.n_ctx; cfg.n_ctx (TransformerLens's limit) before the model has an engine."""
         tokens, _ = self._tokenize(input, prepend_bos, padding_side)
-        if truncate and tokens.shape[1] > self.cfg.n_ctx:
-            tokens = tokens[:, : self.cfg.n_ctx]
+        limit = self.engine.max_model_len if self.engine is not None else self.cfg.n_ctx
+        if truncate and tokens.shape[1] > limit:
+            tokens = tokens[:, :limit]
         return tokens
 
     def to_string(self, tokens) -> str | list[str]:
@@ -191,6 +198,7 @@ class HookedServedModel:
         return [self.tokenizer.decode(row.tolist()) for row in tokens]
 
     def to_str_tokens(self, input, prepend_bos: bool | None = None, padding_side: str | None = None):
+        _padding_side(padding_side)
         if isinstance(input, list) and input and isinstance(input[0], str):
             return [self.to_str_tokens(s, prepend_bos, padding_side) for s in input]
         tokens = self.to_tokens(input, prepend_bos, padding_side)[0] if isinstance(input, str) else torch.as_tensor(input)
@@ -202,20 +210,30 @@ class HookedServedModel:
 
     def _rows(self, input, prepend_bos, padding_side, attention_mask):
         """Tokens [B, P] and, per row, its real tokens and their offset in the padded layout."""
-        if isinstance(input, (str, list)) and (isinstance(input, str) or all(isinstance(s, str) for s in input)):
-            tokens, mask = self._tokenize(input, prepend_bos, padding_side)
-        elif isinstance(input, list) and input and all(isinstance(r, list) for r in input):
+        _padding_side(padding_side)
+        if input is None or isinstance(input, str) or (isinstance(input, (list, tuple)) and (
+                not input or any(isinstance(s, str) for s in input))):
+            tokens, mask = self._tokenize(input, prepend_bos, padding_side)  # refuses None, [] and mixed lists
+        elif isinstance(input, list) and all(isinstance(r, list) for r in input):
             # token-id lists of different lengths: each row's tokens are all real, right-padded
             width = max(len(r) for r in input)
             tokens = torch.full((len(input), width), self.tokenizer.pad_token_id, dtype=torch.long)
             mask = torch.zeros(len(input), width, dtype=torch.long)
             for i, r in enumerate(input):
-                tokens[i, : len(r)], mask[i, : len(r)] = torch.tensor(r, dtype=torch.long), 1
+                if r:
+                    tokens[i, : len(r)], mask[i, : len(r)] = _token_ids(torch.as_tensor(r)), 1
         else:
-            tokens = torch.as_tensor(input, dtype=torch.long)
+            tokens = _token_ids(torch.as_tensor(input))
             tokens = tokens[None] if tokens.dim() == 1 else tokens
             # TransformerLens treats every token of a tensor as real unless a mask is passed
-            mask = torch.ones_like(tokens) if attention_mask is None else torch.as_tensor(attention_mask)
+            mask = torch.ones_like(tokens)
+            if attention_mask is not None:
+                given = torch.as_tensor(attention_mask)
+                mask = given[None] if given.dim() == 1 and tokens.shape[0] == 1 else given
+                if mask.shape != tokens.shape:
+                    raise ValueError(f"attention_mask has shape {list(given.shape)}, but the tokens are "
+                                     f"{list(tokens.shape)}: pass a mask of the tokens' shape [batch, pos], 1 at real "
+                                     f"tokens and 0 at padding (or no mask: every token is real)")
         if tokens.dim() != 2 or tokens.shape[1] == 0:
             raise ValueError(f"tokens must be [batch, pos] with pos >= 1, got {list(tokens.shape)}")
         if int(tokens.max()) >= self.cfg.d_vocab or int(tokens.min()) < 0:
@@ -609,7 +627,15 @@ class HookedServedModel:
             with attached(self.hook_dict, [app]):
                 prompt = self._trace_hooks(*_INSTALL_TRACE_SHAPE)
                 self._trace_hooks(_INSTALL_TRACE_SHAPE[0], 1, inherited=prompt.per_request_stores, phase="decode")
-        except (TraceError, KeyError, ValueError, RuntimeError) as e:
+        except Exception as e:
+            if (raised_by := hook_that_raised(e)) is not None:  # the user's function, not a size or the IR
+                fn, point = raised_by
+                raise ValueError(f"app {app.name!r}: its hook function {fn!r} on {point} raised "
+                                 f"{type(e).__name__}: {e} when traced at install (act "
+                                 f"{list(_INSTALL_TRACE_SHAPE + self.feature_shapes[point])}); fix the hook function "
+                                 f"(its exception and traceback are chained above)") from e
+            if not isinstance(e, (TraceError, KeyError, ValueError, RuntimeError)):
+                raise
             sizes = {k: list(v.shape) for k, v in app.params.items()}
             raise ValueError(f"app {app.name!r} does not trace on this model ({e}); its params have shapes {sizes}: "
                              f"check that they match the hook points' sizes (docs/hook-points.md)") from e
@@ -706,6 +732,34 @@ class NonFiniteError(RuntimeError):
 
 
 _INSTALL_TRACE_SHAPE = (1, 16)  # the pass an app is traced for at install, to fail early on bad sizes
+_INPUT_FORMS = "a string, a list of strings, a list of token-id lists, or a [batch, pos] integer tensor of token ids"
+
+
+def _bad_input(input) -> Exception:
+    """The error for an input that is no prompt: None, an empty list, a list mixing strings with other items."""
+    if input is None:
+        return TypeError(f"input is None; pass {_INPUT_FORMS}")
+    if isinstance(input, (list, tuple)) and not input:
+        return ValueError(f"input is empty ({input!r}): a call needs at least one prompt; pass {_INPUT_FORMS}")
+    if not isinstance(input, (list, tuple)):
+        return TypeError(f"input is a {type(input).__name__}; pass {_INPUT_FORMS}")
+    i, item = next((i, t) for i, t in enumerate(input) if not isinstance(t, str))
+    return TypeError(f"input mixes strings and other items: item {i} is {type(item).__name__} {item!r}; pass a list "
+                     f"of strings, or a list of token-id lists (tokenize the strings with model.to_tokens first)")
+
+
+def _token_ids(tokens: torch.Tensor) -> torch.Tensor:
+    """Token ids as int64, refusing floats and bools (a cast would silently change them)."""
+    if tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
+        raise TypeError(f"token ids are integers, got {tokens.dtype}: pass integer ids (tokens.long() if they hold "
+                        f"whole numbers), or strings to tokenize")
+    return tokens.long()
+
+
+def _padding_side(side: str | None) -> str | None:
+    if side not in (None, "left", "right"):
+        raise ValueError(f"padding_side {side!r}: use 'left' or 'right' (or None: the tokenizer's side)")
+    return side
 
 
 @dataclass

@@ -26,6 +26,12 @@ class TraceError(Exception):
     """A hook function does something the hook IR cannot express."""
 
 
+def hook_that_raised(error: BaseException) -> tuple[str, str] | None:
+    """(function name, hook point) of the hook function that raised `error` while it was traced
+    (Tracer.call notes it on the exception, whose type is kept); None for other errors."""
+    return getattr(error, "_xmix_hook", None)
+
+
 # The tracers whose hook functions are being called, innermost last: what `store.get` inside a hook,
 # and an op on a value kept from another hook point, are recorded into. A context variable, so that
 # threads tracing at once never see each other's.
@@ -75,6 +81,8 @@ def _in_place(alias: str) -> str:
 _INPLACE = {_in_place(alias): name for alias, name in _ELEMENTWISE.items() if not alias.startswith("__r")}
 # reversed operands (2 - act), and act @ a constant (a linear map, not an elementwise op)
 _OTHER_BINARY = {"__rsub__": "rsub", "rsub": "rsub", "__rtruediv__": "rdiv", "matmul": "matmul", "__matmul__": "matmul"}
+_NUMPY = ("a numpy array met a traced value: numpy runs outside the engine; convert the array to a tensor first: "
+          "torch.as_tensor(array, dtype=torch.float32)")
 _CONTROL_FLOW = {"__bool__", "item", "tolist", "__int__", "__float__", "__index__", "numpy", "any", "all"}
 
 
@@ -196,11 +204,20 @@ class Tracer:
     # --- running hook functions -----------------------------------------------------------------
     def call(self, fn: Callable, hook) -> None:
         """Trace fn(act, hook=hook) on the current version of act."""
-        self.hook_label = f"{getattr(fn, '__name__', fn)} on {self.graph.hook_name}"
+        fn_name = getattr(fn, "__name__", repr(fn))
+        self.hook_label = f"{fn_name} on {self.graph.hook_name}"
         act = self.act = self.proxy(self.version)
         token = _calling.set(_calling.get() + (self,))
         try:
             result = fn(act, hook=hook)
+        except TraceError:
+            raise
+        except Exception as e:  # the function's own error: kept as it is (its type), naming the hook
+            if hook_that_raised(e) is None:
+                e._xmix_hook = (fn_name, self.graph.hook_name)
+                e.add_note(f"raised by hook function {fn_name!r} on {self.graph.hook_name}, traced on act "
+                           f"{list(act.shape)}")
+            raise
         finally:
             _calling.reset(token)
         if result is None or (isinstance(result, TracedTensor) and result._node is self.version):
@@ -208,10 +225,14 @@ class Tracer:
         if isinstance(result, TracedTensor) and not isinstance(result, ParamProxy) and result._tracer is not self:
             # a value kept at an earlier hook point (`return saved["a"]`): shared through a store
             result = self.proxy(self.imported(result))
-        if not isinstance(result, TracedTensor) or result.shape != act.shape:
-            got = list(result.shape) if isinstance(result, torch.Tensor) else type(result).__name__
-            raise self.fail(f"returned {got}; a hook returns None or a tensor shaped like act {list(act.shape)}")
-        self.version = self.add("write", (self.version, result._node, None, None), act.shape, 2)
+        if not isinstance(result, torch.Tensor) or result.shape != act.shape:
+            got = f"a tensor of shape {list(result.shape)}" if isinstance(result, torch.Tensor) else \
+                f"a {type(result).__name__}"
+            raise self.fail(f"returned {got}; a hook returns None or a tensor of act's shape {list(act.shape)} "
+                            f"(act edited, or a new value for it)")
+        # a tensor made without act (`return torch.zeros(act.shape)`) is a constant that becomes act, as in
+        # TransformerLens
+        self.version = self.add("write", (self.version, self.node_of(result), None, None), act.shape, 2)
 
     def finish(self) -> list[TracedTensor]:
         """Close the graph; returns the proxies the hook functions kept (they become reads)."""
@@ -241,6 +262,10 @@ class Tracer:
         if isinstance(x, torch.Tensor):
             if x.is_floating_point() or x.dtype == torch.bool:
                 return self.graph.add("const", (x.detach().to("cpu", torch.float32),), x.shape, 0)
+            raise self.fail(f"a {x.dtype} tensor of shape {list(x.shape)} as an operand: constant tensors in a hook "
+                            f"are float (or bool masks); convert it to float first (v.float())")
+        if hasattr(x, "__array__"):
+            raise self.fail(_NUMPY)
         raise self.fail(f"cannot use a {type(x).__name__} as an operand")
 
     def add(self, op: str, args: tuple, shape, token_dims: int) -> Node:
@@ -315,6 +340,8 @@ class Tracer:
         return tuple(local(a) for a in args), {k: local(v) for k, v in kwargs.items()}
 
     def record(self, name: str, args: tuple, kwargs: dict):
+        if name == "__array__":  # numpy converting a traced value: `act + np_array`
+            raise self.fail(_NUMPY)
         if name in _CONTROL_FLOW:
             raise self.fail(f"`{name}` on a traced value: Python control flow and host reads cannot run in the "
                             f"engine; use arithmetic or torch.where instead of `if`")

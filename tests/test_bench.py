@@ -6,8 +6,33 @@ mode ran, the idle modes serve what native vLLM serves, and the steering mode st
 eager torch-hook approach does."""
 import json
 
+import pytest
+
 from bench import serving
 from tests.tiny_models import tiny_llama
+
+
+@pytest.fixture(autouse=True)
+def engines_shut_down(monkeypatch):
+    """Shuts the harness's engines down after the test: main() leaves them running, and a running
+    in-process vLLM engine (KV cache included) is never garbage-collected."""
+    from xmix_lens import HookedServedModel
+    from xmix_lens.backend.vllm import adapter
+
+    built, build = [], serving.build_engines
+
+    def recording(*args, **kwargs):
+        result = build(*args, **kwargs)
+        built.extend(result[0].values())
+        return result
+
+    monkeypatch.setattr(serving, "build_engines", recording)
+    yield
+    for engine in built:
+        if isinstance(engine, HookedServedModel):
+            engine.shutdown()
+        else:  # a native vLLM LLM
+            adapter.shutdown_workers(engine)
 
 
 def test_harness_runs_every_mode_and_the_modes_do_what_they_claim(tmp_path):

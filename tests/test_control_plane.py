@@ -195,7 +195,9 @@ def small_steps():
     d_model = json.loads((tiny_llama() / "config.json").read_text())["hidden_size"]
     w, kept = vector(d_model, 4), {}
     app = SimpleNamespace(name="probe", fwd_hooks=[("blocks.1.hook_resid_post", lambda act, hook: kept.update(s=act @ w))])
-    return eager_tiny_llama(max_model_len=256, max_num_batched_tokens=16, num_gpu_blocks_override=4, apps=[app]), w
+    model = eager_tiny_llama(max_model_len=256, max_num_batched_tokens=16, num_gpu_blocks_override=4, apps=[app])
+    yield model, w
+    model.shutdown()  # an engine left running lives until the session ends
 
 
 def test_messenger_under_chunked_prefill_and_preemption(served, small_steps):

@@ -54,7 +54,9 @@ def eager_tiny_llama(**engine_kwargs) -> HookedServedModel:
 @pytest.fixture(scope="module")
 def chunked():
     """An eager engine whose steps hold at most 16 tokens: longer prompts are prefilled in chunks."""
-    return eager_tiny_llama(max_model_len=128, max_num_batched_tokens=16)
+    model = eager_tiny_llama(max_model_len=128, max_num_batched_tokens=16)
+    yield model
+    model.shutdown()  # frees its KV cache now: an engine left running lives until the session ends
 
 
 def test_chunked_prefill_loses_and_duplicates_no_reads(served, chunked):
@@ -103,7 +105,9 @@ def test_chunked_prefill_writes_and_per_token_stores(served, chunked):
 def cramped():
     """An eager engine with KV room for about one long request at a time: vLLM preempts
     (and later recomputes) requests as they grow."""
-    return eager_tiny_llama(max_model_len=256, num_gpu_blocks_override=4)
+    model = eager_tiny_llama(max_model_len=256, num_gpu_blocks_override=4)
+    yield model
+    model.shutdown()
 
 
 def test_preemption_neither_loses_nor_duplicates(served, cramped):

@@ -114,26 +114,38 @@ def test_prepend_changes_order(model):
     model.add_hook(name, zero)
     model.add_hook(name, add)
     add_last = model(PROMPT)
-    assert torch.allclose(zero_last, model.b_U.expand_as(zero_last))
-    assert torch.allclose(add_last, (v @ model.W_U + model.b_U).expand_as(add_last), atol=1e-4)
+    # the engine's unembedding (the final norm's weight folded in): what the normalized value is multiplied by
+    W_U, b_U = model.engine.W_U, model.engine.b_U
+    assert torch.allclose(zero_last, b_U.expand_as(zero_last))
+    assert torch.allclose(add_last, (v @ W_U + b_U).expand_as(add_last), atol=1e-4)
 
 
-def test_backward_hooks_are_a_clear_error(model):
-    with pytest.raises(ValueError, match="backward"):
-        model.run_with_hooks(PROMPT, bwd_hooks=[("hook_embed", Counter().inc)])
-    with pytest.raises(ValueError, match="backward pass"):
-        model.add_hook("hook_embed", Counter().inc, dir="bwd")
+def test_backward_hooks_are_kept_apart_from_forward_hooks(model):
+    """As in TransformerLens, add_hook(dir="bwd") keeps the hook in the hook point's bwd_hooks; a
+    forward pass does not call it."""
+    counter = Counter()
+    model.add_hook("hook_embed", counter.inc, dir="bwd")
+    try:
+        assert [h.hook for h in model.hook_dict["hook_embed"].bwd_hooks] == [counter.inc]
+        assert not model.hook_dict["hook_embed"].fwd_hooks
+        model(PROMPT)
+        assert counter.count == 0
+    finally:
+        model.reset_hooks()
+    assert not model.hook_dict["hook_embed"].has_hooks()
 
 
 def test_cache_hook_names_in_firing_order(model):
     _, cache = model.run_with_cache(PROMPT)
     expected = ["hook_embed"]
     for L in range(model.cfg.n_layers):
-        expected += [f"blocks.{L}.{n}" for n in ("hook_resid_pre", "ln1.hook_normalized", "attn.hook_q",
-                                                  "attn.hook_k", "attn.hook_v", "attn.hook_z", "hook_attn_out",
-                                                  "hook_resid_mid", "ln2.hook_normalized", "mlp.hook_pre",
-                                                  "mlp.hook_post", "hook_mlp_out", "hook_resid_post")]
-    expected.append("ln_final.hook_normalized")
+        expected += [f"blocks.{L}.{n}" for n in ("hook_resid_pre", "ln1.hook_scale", "ln1.hook_normalized",
+                                                  "attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.hook_rot_q",
+                                                  "attn.hook_rot_k", "attn.hook_attn_scores", "attn.hook_pattern",
+                                                  "attn.hook_z", "hook_attn_out", "hook_resid_mid", "ln2.hook_scale",
+                                                  "ln2.hook_normalized", "mlp.hook_pre", "mlp.hook_post",
+                                                  "hook_mlp_out", "hook_resid_post")]
+    expected += ["ln_final.hook_scale", "ln_final.hook_normalized"]
     assert list(cache.keys()) == expected
 
 
@@ -224,9 +236,13 @@ def test_unknown_hook_name_lists_nearest(usable):
         usable.run_with_hooks(PROMPT, fwd_hooks=[("blocks.0.hook_resid_pots", Counter().inc)])
 
 
-def test_unsupported_hook_point_says_why(usable):
-    with pytest.raises(ValueError, match="attention pattern"):
-        usable.run_with_hooks(PROMPT, fwd_hooks=[("blocks.0.attn.hook_pattern", Counter().inc)])
+def test_attention_pattern_writes_say_why(usable):
+    def knock_out(pattern, hook):
+        pattern[:, :, :, 0] = 0.0
+
+    with pytest.raises(NotImplementedError, match="writes to attention scores and patterns are not supported"):
+        usable.run_with_hooks(PROMPT, fwd_hooks=[("blocks.0.attn.hook_pattern", knock_out)])
+    assert usable(PROMPT).isfinite().all()  # the engine stays usable
 
 
 def test_wrong_size_steering_vector(usable):

@@ -16,7 +16,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 _EXPORTS = {
     "ActivationCache": "cache", "App": "app", "AppRun": "app", "HookPoint": "hook_points",
-    "HookedServedConfig": "model", "HookedServedModel": "model", "HookedTransformer": "model",
+    "HookedServedModel": "model", "HookedTransformer": "model",
     "NonFiniteError": "model", "TraceError": "trace", "store": "stores", "topk_mask": "functional",
 }
 __all__ = sorted(_EXPORTS)

@@ -30,10 +30,9 @@ _ALIASES = {
 
 # Hook points TransformerLens has that the served path does not offer yet, with the reason.
 _UNSUPPORTED = {
-    r"blocks\.\d+\.attn\.hook_(pattern|attn_scores)":
-        "vLLM's fused attention kernels never materialise the attention pattern or scores",
+    r"blocks\.\d+\.attn\.hook_rot_[qk]":
+        "GPT-2 has no rotary embedding (TransformerLens has no hook_rot_q/k for it either); use attn.hook_q / hook_k",
 }
-
 
 def canonical_name(name: str) -> str:
     for alias, target in _ALIASES.items():
@@ -42,58 +41,134 @@ def canonical_name(name: str) -> str:
     return name
 
 
+_DIRECTIONS = ("fwd", "bwd")
+
+
+def _directions(dir: str, allowed: tuple[str, ...]) -> tuple[str, ...]:
+    """The hook lists `dir` names: "fwd", "bwd", or (where `allowed` has it) "both"."""
+    if dir not in allowed:
+        raise ValueError(f"invalid direction {dir!r}; use one of {list(allowed)}")
+    return _DIRECTIONS if dir == "both" else (dir,)
+
+
 @dataclass(eq=False)
 class LensHandle:
-    """A hook function added to a hook point (TransformerLens's LensHandle)."""
+    """A hook function added to a hook point (TransformerLens's LensHandle). `hook` is the
+    function itself (TransformerLens keeps a torch RemovableHandle there and the function in
+    `user_hook`: nothing here registers torch module hooks)."""
 
     hook: Callable
     is_permanent: bool = False
+    context_level: int | None = None  # the `hooks()` block that added it; None outside one
+
+    @property
+    def user_hook(self) -> Callable:
+        return self.hook
+
+    def matches(self, including_permanent: bool, level: int | None) -> bool:
+        """In scope of a has_hooks / remove_hooks call (TransformerLens's rule)."""
+        if self.is_permanent and not including_permanent:
+            return False
+        return level is None or self.context_level == level
 
 
 @dataclass(eq=False)
 class HookPoint:
-    name: str
+    """One named place in the forward pass and the functions added to it. Built without a name
+    (TransformerLens's HookPoint()), it is named when put in a model's hook_dict. Forward hooks are
+    traced into the engine; backward hooks are only kept here (`bwd_hooks`), for whatever runs a
+    backward pass."""
+
+    name: str | None = None
     fwd_hooks: list[LensHandle] = field(default_factory=list)
+    bwd_hooks: list[LensHandle] = field(default_factory=list)
     ctx: dict = field(default_factory=dict)
 
-    def add_hook(self, hook: Callable, dir: str = "fwd", is_permanent: bool = False, prepend: bool = False) -> None:
-        if dir != "fwd":
-            raise ValueError(f"{dir!r} hooks are not supported: a serving engine runs no backward pass; "
-                             "use dir='fwd' (or run TransformerLens itself for gradients)")
-        handle = LensHandle(hook, is_permanent)
-        self.fwd_hooks.insert(0, handle) if prepend else self.fwd_hooks.append(handle)
+    def add_hook(self, hook: Callable, dir: str = "fwd", is_permanent: bool = False, level: int | None = None,
+                 prepend: bool = False) -> LensHandle:
+        """Add `hook(act, hook=self)`, last (or first with prepend); returns its handle."""
+        (direction,) = _directions(dir, _DIRECTIONS)
+        handle = LensHandle(hook, is_permanent, level)
+        hooks = self.fwd_hooks if direction == "fwd" else self.bwd_hooks
+        hooks.insert(0, handle) if prepend else hooks.append(handle)
+        return handle
 
-    def remove_hooks(self, dir: str = "fwd", including_permanent: bool = False) -> None:
-        self.fwd_hooks = [h for h in self.fwd_hooks if h.is_permanent and not including_permanent]
+    def add_perma_hook(self, hook: Callable, dir: str = "fwd") -> LensHandle:
+        return self.add_hook(hook, dir=dir, is_permanent=True)
+
+    def has_hooks(self, dir: str = "both", including_permanent: bool = True, level: int | None = None) -> bool:
+        return any(h.matches(including_permanent, level)
+                   for d in _directions(dir, (*_DIRECTIONS, "both")) for h in self.hooks_of(d))
+
+    def remove_hooks(self, dir: str = "fwd", including_permanent: bool = False, level: int | None = None) -> None:
+        for d in _directions(dir, (*_DIRECTIONS, "both")):
+            kept = [h for h in self.hooks_of(d) if not h.matches(including_permanent, level)]
+            setattr(self, f"{d}_hooks", kept)
+
+    def __call__(self, x):
+        """Run the forward hooks eagerly on a tensor, as TransformerLens's HookPoint module does (a served
+        model never calls this: it traces the hooks into its engine)."""
+        for handle in list(self.fwd_hooks):
+            out = handle.hook(x, hook=self)
+            x = x if out is None else out
+        return x
+
+    def hooks_of(self, dir: str) -> list[LensHandle]:
+        return self.fwd_hooks if dir == "fwd" else self.bwd_hooks
 
     def clear_context(self) -> None:
-        self.ctx.clear()
+        self.ctx = {}
 
     def layer(self) -> int:
+        if self.name is None:
+            raise ValueError("this HookPoint has no name yet: it is named when put in a model's hook_dict")
         match = re.match(r"blocks\.(\d+)\.", self.name)
         if match is None:
             raise ValueError(f"{self.name} is not inside a block")
         return int(match.group(1))
 
     def __repr__(self) -> str:
-        return f"HookPoint({self.name!r}, {len(self.fwd_hooks)} hooks)"
+        return f"HookPoint({self.name!r}, {len(self.fwd_hooks)} fwd, {len(self.bwd_hooks)} bwd hooks)"
 
 
-# One block's hook points in firing order (TransformerLens's order; the same in every family).
-BLOCK_POINTS = ("hook_resid_pre", "ln1.hook_normalized", "attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.hook_z",
-                "hook_attn_out", "hook_resid_mid", "ln2.hook_normalized", "mlp.hook_pre", "mlp.hook_post",
-                "hook_mlp_out", "hook_resid_post")
+# One block's hook points in firing order (TransformerLens's order). The engine places every one
+# of them (a site), except the COMPUTED ones, which the API layer computes from the engine's reads
+# of a pass (xmix_lens/attention_points.py): vLLM's fused attention never materialises them.
+ATTENTION_POINTS = {"llama": ("attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.hook_rot_q", "attn.hook_rot_k"),
+                    "gpt2": ("attn.hook_q", "attn.hook_k", "attn.hook_v")}
+COMPUTED_POINTS = ("attn.hook_attn_scores", "attn.hook_pattern")
+
+
+def _block_points(family: str, computed: bool) -> tuple[str, ...]:
+    return ("hook_resid_pre", "ln1.hook_scale", "ln1.hook_normalized", *ATTENTION_POINTS[family],
+            *(COMPUTED_POINTS if computed else ()), "attn.hook_z", "hook_attn_out", "hook_resid_mid",
+            "ln2.hook_scale", "ln2.hook_normalized", "mlp.hook_pre", "mlp.hook_post", "hook_mlp_out", "hook_resid_post")
+
+
 # What comes before the blocks, per family: GPT-2 adds learned position embeddings.
 EMBEDDING_POINTS = {"llama": ("hook_embed",), "gpt2": ("hook_embed", "hook_pos_embed")}
 FAMILIES = tuple(EMBEDDING_POINTS)
 
 
-def hook_names(family: str, n_layers: int) -> list[str]:
-    """Every hook point of a model, in firing order (a backend's site id is the index here)."""
+def _names(family: str, n_layers: int, computed: bool) -> list[str]:
     if family not in EMBEDDING_POINTS:
         raise ValueError(f"unknown model family {family!r}; supported: {list(FAMILIES)}")
-    blocks = [f"blocks.{L}.{point}" for L in range(n_layers) for point in BLOCK_POINTS]
-    return [*EMBEDDING_POINTS[family], *blocks, "ln_final.hook_normalized"]
+    blocks = [f"blocks.{L}.{point}" for L in range(n_layers) for point in _block_points(family, computed)]
+    return [*EMBEDDING_POINTS[family], *blocks, "ln_final.hook_scale", "ln_final.hook_normalized"]
+
+
+def hook_names(family: str, n_layers: int) -> list[str]:
+    """The hook points the engine places, in firing order (a backend's site id is the index here)."""
+    return _names(family, n_layers, computed=False)
+
+
+def point_names(family: str, n_layers: int) -> list[str]:
+    """Every hook point of a model, the computed ones included, in firing order."""
+    return _names(family, n_layers, computed=True)
+
+
+def is_computed(name: str) -> bool:
+    return name.split(".", 2)[-1] in COMPUTED_POINTS
 
 
 def _dims(cfg) -> dict[str, int]:
@@ -115,17 +190,19 @@ def feature_shape(name: str, config) -> tuple[int, ...]:
     [batch, pos, *feature_shape]. `config`: an HF config or a TransformerLens-style one."""
     d = _dims(config)
     point = re.sub(r"^blocks\.\d+\.", "", name)
-    if point in ("attn.hook_q", "attn.hook_z"):
+    if point in ("attn.hook_q", "attn.hook_rot_q", "attn.hook_z"):
         return (d["n_heads"], d["d_head"])
-    if point in ("attn.hook_k", "attn.hook_v"):
+    if point in ("attn.hook_k", "attn.hook_rot_k", "attn.hook_v"):
         return (d["n_kv_heads"], d["d_head"])
     if point in ("mlp.hook_pre", "mlp.hook_post"):
         return (d["d_mlp"],)
+    if point.endswith("hook_scale"):
+        return (1,)
     return (d["d_model"],)
 
 
 def make_hook_dict(family: str, n_layers: int) -> dict[str, HookPoint]:
-    return {name: HookPoint(name) for name in hook_names(family, n_layers)}
+    return {name: HookPoint(name) for name in point_names(family, n_layers)}
 
 
 def resolve(hook_dict: dict[str, HookPoint], name_or_filter: str | Callable[[str], bool]) -> list[str]:

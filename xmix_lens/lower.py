@@ -121,13 +121,6 @@ class Lowerer:
         table[:, where] = c.reshape(self.B, -1, _numel(fs)) if span.keeps_pos else c.reshape(self.B, 1, -1)
         return table
 
-    def per_feature(self, c: torch.Tensor, like: Affine, node: Node) -> torch.Tensor:
-        bias = self.per_token(c, like.span, like.feature_shape, node)
-        if bias.dim() != 1:
-            raise _fail(node, self.graph, "a factor that differs per token (batch or position) multiplies a value "
-                                          "computed from act; use a per-feature vector or a number")
-        return bias
-
     # --- shapes ----------------------------------------------------------------------------------
     def widen(self, a, shape: tuple[int, ...]):
         """Broadcast a value's feature dims up to `shape`."""
@@ -227,8 +220,11 @@ class Lowerer:
                 a for a in args if isinstance(a, Affine)] and (n.op == "mul" or isinstance(args[0], Affine)):
             aff = self.widen(traced[0], n.feature_shape)
             c = next(a for a in args if isinstance(a, torch.Tensor))
-            factor = self.per_feature(c, aff, n)
-            self.forms[n] = self.scale_by(aff, factor if n.op == "mul" else 1.0 / factor)
+            factor = self.per_token(c, aff.span, aff.feature_shape, n)
+            if factor.dim() == 1:  # the same factor for every token: a scale
+                self.forms[n] = self.scale_by(aff, factor if n.op == "mul" else 1.0 / factor)
+            else:  # a factor per token (a random mask, a cached run's values): a per-token table in a program
+                self.forms[n] = self.expr(n, args)
         elif n.op == "neg" and isinstance(args[0], Affine):
             self.forms[n] = self.scale_by(args[0], torch.tensor(-1.0))
         elif n.op == "linear" and isinstance(args[0], Affine):

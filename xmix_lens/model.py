@@ -17,47 +17,19 @@ from dataclasses import dataclass
 
 import torch
 
-from . import hook_points, stores
+from . import attention_points, hook_points, stores, tl_surface
 from .app import App, AppRegistry, AppRun, RowGroup, attached, group_rows, merged, resident_reads, snapshot
-from .cache import ActivationCache
 from .hook_points import HookPoint
 from .lower import lower
 from .lowered import Read, describe
 from .model_files import resolve_model
 from .passes import PassPlan, PhaseOps
-from .trace import TraceError, Tracer, as_parameters, hook_that_raised
+from .trace import TraceError, Tracer, as_parameters, hook_that_raised, traced_once_for
 
 HookFn = Callable[..., torch.Tensor | None]
 HookSpec = tuple[str | Callable[[str], bool], HookFn]
 _FINAL = "ln_final.hook_normalized"
 _LOGITS_KEY = ("logits", 0)
-
-
-@dataclass
-class HookedServedConfig:
-    n_layers: int
-    d_model: int
-    n_heads: int
-    d_head: int
-    d_vocab: int
-    n_ctx: int
-    d_mlp: int
-    n_key_value_heads: int
-    family: str
-    model_name: str
-    dtype: torch.dtype
-    default_prepend_bos: bool = True
-
-
-def _config_from_hf(hf, family: str, name: str, dtype: torch.dtype) -> HookedServedConfig:
-    if family == "gpt2":
-        n_heads, d_model = hf.n_head, hf.n_embd
-        return HookedServedConfig(hf.n_layer, d_model, n_heads, d_model // n_heads, hf.vocab_size, hf.n_positions,
-                                  hf.n_inner or 4 * d_model, n_heads, family, name, dtype)
-    n_heads, d_model = hf.num_attention_heads, hf.hidden_size
-    return HookedServedConfig(hf.num_hidden_layers, d_model, n_heads, getattr(hf, "head_dim", None) or d_model // n_heads,
-                              hf.vocab_size, hf.max_position_embeddings, hf.intermediate_size,
-                              getattr(hf, "num_key_value_heads", n_heads), family, name, dtype)
 
 
 def one_call_at_a_time(method: Callable) -> Callable:
@@ -80,14 +52,19 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
 class HookedServedModel:
     """A vLLM-served model with TransformerLens hooks. Build it with `from_pretrained`."""
 
-    def __init__(self, model_dir, cfg: HookedServedConfig, tokenizer):
-        # from_pretrained makes the model before its engine: installed apps are traced first
+    def __init__(self, model_dir, cfg, tokenizer):
+        # from_pretrained makes the model before its engine: installed apps are traced first.
+        # cfg: TransformerLens's TransformerBridgeConfig, plus `family` (tl_surface.bridge_config)
         self.model_dir, self.cfg, self.tokenizer = model_dir, cfg, tokenizer
         self.engine = None  # backend/vllm/engine.py's VllmEngine
+        self._tl = None  # TransformerLens's model on the same weights, booted on first use (the `tl` property)
+        self._tl_hooks = tl_surface.HookMirror()  # our hooks on it, for calls that run there
         self.hook_dict: dict[str, HookPoint] = hook_points.make_hook_dict(cfg.family, cfg.n_layers)
         self.mod_dict = self.hook_dict
         # per hook point, the per-token feature shape of its act ((d_model,), (n_heads, d_head), ...)
-        self.feature_shapes = {name: hook_points.feature_shape(name, cfg) for name in self.hook_dict}
+        # (computed points, attention scores and patterns, have no per-token shape: attention_points.py)
+        self.feature_shapes = {name: hook_points.feature_shape(name, cfg) for name in self.hook_dict
+                               if not hook_points.is_computed(name)}
         self.app_registry = AppRegistry()  # installed apps and the default selection
         # one call at a time: a call's hooks sit on the shared hook points while it traces, and
         # vLLM's in-process engine serves one caller (see one_call_at_a_time)
@@ -98,8 +75,14 @@ class HookedServedModel:
     @classmethod
     def from_pretrained(cls, name_or_path: str, dtype: str | torch.dtype = "float32", device: str | None = None,
                         enforce_eager: bool = False, max_model_len: int | None = None,
-                        armed: str | Sequence[str] = "all", apps: Sequence = (), **engine_kwargs) -> "HookedServedModel":
+                        armed: str | Sequence[str] = "all", apps: Sequence = (), fold_ln: bool = False,
+                        center_writing_weights: bool = False, center_unembed: bool = False,
+                        fold_value_biases: bool = False, refactor_factored_attn_matrices: bool = False,
+                        **engine_kwargs) -> "HookedServedModel":
         """Build an in-process vLLM engine for a local HF folder or an embedded model's name.
+
+        The engine serves the checkpoint's raw weights: TransformerLens's `from_pretrained_no_processing`
+        (its weight-processing flags fold_ln ... refactor_factored_attn_matrices are accepted when False).
 
         `armed` is the set of hook points compiled into the engine ("all": a research engine,
         every hook point ready without a rebuild). torch.compile stays on unless enforce_eager, and
@@ -107,10 +90,18 @@ class HookedServedModel:
         are installed as the engine is built, so that its CUDA graphs contain them (see
         backend/vllm/control.py).
         """
-        from transformers import AutoConfig, AutoTokenizer
+        from transformers import AutoConfig
 
         from .backend.vllm.engine import VllmEngine
 
+        processing = {"fold_ln": fold_ln, "center_writing_weights": center_writing_weights,
+                      "center_unembed": center_unembed, "fold_value_biases": fold_value_biases,
+                      "refactor_factored_attn_matrices": refactor_factored_attn_matrices}
+        if asked := [flag for flag, on in processing.items() if on]:
+            raise ValueError(f"{', '.join(asked)}: processed weights are not served yet (the engine serves the "
+                             f"checkpoint's raw weights, as TransformerLens's from_pretrained_no_processing does); "
+                             f"use HookedTransformer.from_pretrained_no_processing(...) (or leave these flags False) "
+                             f"and fold or centre in your analysis code where you need it")
         torch_dtype = _DTYPES.get(dtype) if isinstance(dtype, str) else dtype
         if torch_dtype not in _DTYPES.values():
             raise ValueError(f"dtype {dtype!r} is not supported; use one of {sorted(_DTYPES)}")
@@ -122,11 +113,8 @@ class HookedServedModel:
         if arch not in _FAMILIES:
             raise ValueError(f"architecture {arch} is not supported yet; supported: {sorted(_FAMILIES)}")
         family = _FAMILIES[arch]
-        cfg = _config_from_hf(hf, family, str(name_or_path), torch_dtype)
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        if tokenizer.pad_token is None:
-            tokenizer.pad_token = tokenizer.eos_token
-        tokenizer.padding_side = "right"
+        tokenizer = tl_surface.load_tokenizer(model_dir)
+        cfg = tl_surface.bridge_config(hf, str(name_or_path), torch_dtype, tokenizer, family)
 
         model = cls(model_dir, cfg, tokenizer)
         armed_names = armed if armed == "all" else [hook_points.canonical_name(n) for n in armed]
@@ -136,24 +124,127 @@ class HookedServedModel:
         model.engine = VllmEngine.build(model_dir, family, torch_dtype, cfg.n_heads,
                                         max_model_len or min(cfg.n_ctx, 2048), enforce_eager, armed_names, resident,
                                         cfg.d_vocab, **engine_kwargs)
+        cfg.device = tl_surface.tl_device(model.engine.device)
         for app in apps:  # xmix_lens.App objects join the model's registry too (selectable by apps=)
             if isinstance(app, App):
                 model.install(app)
         return model
+
+    @classmethod
+    def from_pretrained_no_processing(cls, name_or_path: str, **kwargs) -> "HookedServedModel":
+        """TransformerLens's from_pretrained_no_processing: the raw weights, which is what
+        from_pretrained serves anyway."""
+        return cls.from_pretrained(name_or_path, **kwargs)
 
     def shutdown(self) -> None:
         """Stop the engine's workers now (under TP, its worker processes exit) rather than at
         interpreter exit; other engines in this process keep running."""
         self.engine.shutdown()
 
+    # --- TransformerLens's model on the same weights: weights, modules, gradients -----------------
     @property
-    def W_U(self) -> torch.Tensor:
-        """[d_model, d_vocab]: ln_final.hook_normalized -> logits, the final norm's weight folded in."""
-        return self.engine.W_U
+    def tl(self):
+        """TransformerLens's TransformerBridge on this model's folder, booted on first use: on the
+        CPU, in fp32, compatibility mode without weight processing (the raw weights the engine
+        serves). Weights (`model.W_Q`, `model.blocks[0].attn.W_O`, `state_dict()`) and every
+        gradient-based call (backward hooks) come from it. It holds its own copy of the weights:
+        editing them does not change what the engine serves."""
+        with self.lock:
+            if self._tl is None:
+                self._tl = tl_surface.boot_tl(self.model_dir)
+            return self._tl
+
+    W_E = tl_surface.tl_weight("W_E")
+    W_pos = tl_surface.tl_weight("W_pos")
+    W_Q = tl_surface.tl_weight("W_Q")
+    W_K = tl_surface.tl_weight("W_K")
+    W_V = tl_surface.tl_weight("W_V")
+    W_O = tl_surface.tl_weight("W_O")
+    b_Q = tl_surface.tl_weight("b_Q")
+    b_K = tl_surface.tl_weight("b_K")
+    b_V = tl_surface.tl_weight("b_V")
+    b_O = tl_surface.tl_weight("b_O")
+    W_in = tl_surface.tl_weight("W_in")
+    W_gate = tl_surface.tl_weight("W_gate")
+    W_out = tl_surface.tl_weight("W_out")
+    b_in = tl_surface.tl_weight("b_in")
+    b_out = tl_surface.tl_weight("b_out")
+    W_U = tl_surface.tl_weight("W_U")  # raw, as TransformerLens's; the engine's (norm folded in): engine.W_U
+    b_U = tl_surface.tl_weight("b_U")
+
+    @functools.cached_property
+    def blocks(self) -> list:
+        """TransformerLens's `model.blocks`: block i's hook points are this model's (a hook added to
+        `blocks[i].attn.hook_z` runs in the engine), its weights TransformerLens's (tl_surface.ComponentView)."""
+        return [tl_surface.ComponentView(self, f"blocks.{i}") for i in range(self.cfg.n_layers)]
+
+    embed = tl_surface.component("embed")
+    pos_embed = tl_surface.component("pos_embed")
+    unembed = tl_surface.component("unembed")
+    ln_final = tl_surface.component("ln_final")
 
     @property
-    def b_U(self) -> torch.Tensor:
-        return self.engine.b_U
+    def hook_embed(self) -> HookPoint:
+        return self.hook_dict["hook_embed"]
+
+    @property
+    def hook_pos_embed(self) -> HookPoint:
+        if "hook_pos_embed" not in self.hook_dict:
+            raise AttributeError(f"{self.cfg.family} models have no hook_pos_embed: their positions are rotary, applied "
+                                 f"to q and k (use blocks[L].attn.hook_rot_q / hook_rot_k)")
+        return self.hook_dict["hook_pos_embed"]
+
+    def parameters(self, recurse: bool = True):
+        """TransformerLens's model's parameters (model.tl: a copy; editing them does not change the engine)."""
+        return self.tl.parameters(recurse)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        return self.tl.named_parameters(prefix, recurse, remove_duplicate)
+
+    def state_dict(self, *args, **kwargs) -> dict:
+        """TransformerLens's state dict (its keys, from model.tl: the raw weights the engine serves)."""
+        return self.tl.state_dict(*args, **kwargs)
+
+    def tokens_to_residual_directions(self, tokens):
+        """TransformerLens's: the columns of the raw W_U for these tokens."""
+        return self.tl.tokens_to_residual_directions(tokens)
+
+    def accumulated_bias(self, layer: int, mlp_input: bool = False, include_mlp_biases: bool = True) -> torch.Tensor:
+        """TransformerLens's: the sum of the attention and MLP output biases before `layer`."""
+        return self.tl.accumulated_bias(layer, mlp_input, include_mlp_biases)
+
+    # --- nn.Module's surface: the engine decides where the model lives ---------------------------
+    def to(self, *args, **kwargs) -> "HookedServedModel":
+        """A no-op to the engine's device; anything else is refused: the weights live in vLLM's engine."""
+        for target in [*args, *kwargs.values()]:
+            if isinstance(target, torch.dtype):
+                raise ValueError(f"model.to({target}): the engine serves {self.cfg.dtype} and cannot be cast; build "
+                                 f"it in that dtype: HookedTransformer.from_pretrained(..., dtype={str(target)!r})")
+            if isinstance(target, (str, torch.device)) and not self._is_engine_device(torch.device(target)):
+                raise ValueError(f"model.to({str(target)!r}): the model lives in its vLLM engine on {self.cfg.device} "
+                                 f"and cannot move; build it on that device: HookedTransformer.from_pretrained(..., "
+                                 f"device={str(target)!r}), or move the inputs and results instead")
+        return self
+
+    def cpu(self) -> "HookedServedModel":
+        return self.to("cpu")
+
+    def cuda(self, device: int | None = None) -> "HookedServedModel":
+        return self.to("cuda" if device is None else f"cuda:{device}")
+
+    def _is_engine_device(self, device: torch.device) -> bool:
+        engine = self.engine.device
+        return device.type == engine.type and device.index in (None, engine.index, 0 if engine.index is None else None)
+
+    def eval(self) -> "HookedServedModel":
+        """A no-op: the served model has no training-mode behaviour (no dropout)."""
+        return self
+
+    def train(self, mode: bool = True) -> "HookedServedModel":
+        if mode:
+            raise ValueError("the served model only runs inference (vLLM); to train, train model.tl, TransformerLens's "
+                             "model on a copy of the weights (the engine keeps serving the original ones)")
+        return self
 
     @property
     def last_run_stats(self) -> dict:
@@ -193,8 +284,8 @@ class HookedServedModel:
 
     def to_string(self, tokens) -> str | list[str]:
         tokens = torch.as_tensor(tokens)
-        if tokens.dim() == 1:
-            return self.tokenizer.decode(tokens.tolist())
+        if tokens.dim() <= 1:  # one token (0-d) or one sequence
+            return self.tokenizer.decode(tokens.reshape(-1).tolist())
         return [self.tokenizer.decode(row.tolist()) for row in tokens]
 
     def to_str_tokens(self, input, prepend_bos: bool | None = None, padding_side: str | None = None):
@@ -207,6 +298,33 @@ class HookedServedModel:
                 raise ValueError("to_str_tokens takes one sequence; index a batch row first")
             tokens = tokens[0]
         return [self.tokenizer.decode([t]) for t in tokens.tolist()]
+
+    def to_single_token(self, string: str) -> int:
+        """The id of a string that is exactly one token (no BOS); an error otherwise (TransformerLens's rule)."""
+        tokens = self.to_tokens(string, prepend_bos=False)[0]
+        if tokens.numel() != 1:
+            raise AssertionError(f"Input string: {string} is not a single token! It is {tokens.numel()} tokens: "
+                                 f"{self.to_str_tokens(tokens)}")
+        return int(tokens[0])
+
+    def get_token_position(self, single_token, input, mode: str = "first", prepend_bos: bool | None = None,
+                           padding_side: str | None = None) -> int:
+        """TransformerLens's: the position of a token (id or one-token string) in a string or tokens."""
+        from transformer_lens.model_bridge import TransformerBridge
+
+        # its implementation uses only to_tokens and to_single_token, which this model has
+        return TransformerBridge.get_token_position(self, single_token, input, mode, prepend_bos, padding_side)
+
+    def input_to_embed(self, input, prepend_bos: bool | None = None, padding_side: str | None = None,
+                       attention_mask=None):
+        """TransformerLens's: (residual entering block 0, tokens, None, attention_mask); feed the
+        residual to `model(residual, start_at_layer=0)`. The mask is returned for left padding
+        (where TransformerLens computes one), else the one given."""
+        tokens, mask, _, _ = self._rows(input, prepend_bos, padding_side, attention_mask)
+        if attention_mask is None and (padding_side or self.tokenizer.padding_side) == "left":
+            attention_mask = mask
+        residual = self.forward(tokens, attention_mask=attention_mask, stop_at_layer=0)
+        return residual, tokens, None, attention_mask
 
     def _rows(self, input, prepend_bos, padding_side, attention_mask):
         """Tokens [B, P] and, per row, its real tokens and their offset in the padded layout."""
@@ -248,58 +366,70 @@ class HookedServedModel:
         return tokens, mask, rows, offsets
 
     # --- hooks (TransformerLens's HookedRootModule bookkeeping) ---------------------------------
+    context_level = 0  # how many hooks() blocks are open: the level their hooks are added at
+
     @one_call_at_a_time
-    def add_hook(self, name, hook: HookFn, dir: str = "fwd", is_permanent: bool = False, prepend: bool = False) -> None:
+    def add_hook(self, name, hook: HookFn, dir: str = "fwd", is_permanent: bool = False, level: int | None = None,
+                 prepend: bool = False) -> None:
         for n in hook_points.resolve(self.hook_dict, name):
-            self.hook_dict[n].add_hook(hook, dir=dir, is_permanent=is_permanent, prepend=prepend)
+            self.hook_dict[n].add_hook(hook, dir=dir, is_permanent=is_permanent, level=level, prepend=prepend)
 
     def add_perma_hook(self, name, hook: HookFn, dir: str = "fwd") -> None:
         self.add_hook(name, hook, dir=dir, is_permanent=True)
 
     @one_call_at_a_time
-    def remove_all_hook_fns(self, direction: str = "both", including_permanent: bool = False) -> None:
+    def remove_all_hook_fns(self, direction: str = "both", including_permanent: bool = False,
+                            level: int | None = None) -> None:
         for hp in self.hook_dict.values():
-            hp.remove_hooks(including_permanent=including_permanent)
+            hp.remove_hooks(direction, including_permanent=including_permanent, level=level)
+        if self._tl_hooks.added:  # model.tl keeps what the last call there added until now: the same hooks as ours
+            self._tl_hooks.sync(self.tl, self.hook_dict)
 
     @one_call_at_a_time
-    def reset_hooks(self, clear_contexts: bool = True, direction: str = "both", including_permanent: bool = False) -> None:
+    def reset_hooks(self, clear_contexts: bool = True, direction: str = "both", including_permanent: bool = False,
+                    level: int | None = None) -> None:
         if clear_contexts:
             for hp in self.hook_dict.values():
                 hp.clear_context()
-        self.remove_all_hook_fns(direction, including_permanent)
+        self.remove_all_hook_fns(direction, including_permanent, level)
 
-    def _check_hooks(self, fwd_hooks: Iterable[HookSpec], bwd_hooks) -> list[tuple[str, HookFn]]:
-        if bwd_hooks:
-            raise ValueError("backward hooks are not supported: a serving engine runs no backward pass; "
-                             "use TransformerLens itself for gradient-based methods")
+    def _check_hooks(self, fwd_hooks: Iterable[HookSpec], bwd_hooks=()) -> list[tuple[str, HookFn]]:
+        """The forward hooks, by hook point; the backward hooks are checked too (see `hooks`)."""
+        self._resolve_specs(bwd_hooks, "bwd_hook")
+        return self._resolve_specs(fwd_hooks, "fwd_hook")
+
+    def _resolve_specs(self, specs: Iterable[HookSpec], kind: str) -> list[tuple[str, HookFn]]:
         resolved = []
-        for spec in fwd_hooks:
+        for spec in specs:
             if not (isinstance(spec, tuple) and len(spec) == 2 and callable(spec[1])):
-                raise ValueError(f"each fwd_hook is (name or filter, function); got {spec!r}")
+                raise ValueError(f"each {kind} is (name or filter, function); got {spec!r}")
             resolved += [(n, spec[1]) for n in hook_points.resolve(self.hook_dict, spec[0])]
         return resolved
+
+    def _has_backward_hooks(self) -> bool:
+        return any(hp.bwd_hooks for hp in self.hook_dict.values())
 
     @contextlib.contextmanager
     def hooks(self, fwd_hooks: Iterable[HookSpec] = (), bwd_hooks=(), reset_hooks_end: bool = True,
               clear_contexts: bool = False):
-        """Hooks added for the duration of the block; removed on exit, also when the block raises.
-        Other threads' calls wait until the block ends (its hooks are on the shared hook points)."""
+        """Hooks added for the duration of the block, at the block's context level (TransformerLens's
+        rule): on exit, also when the block raises, reset_hooks_end removes the non-permanent hooks of
+        that level (and clear_contexts every hook point's ctx). Other threads' calls wait until the
+        block ends (its hooks are on the shared hook points)."""
         with self.lock:
             resolved = self._check_hooks(fwd_hooks, bwd_hooks)
-            added = []
+            backward = self._resolve_specs(bwd_hooks, "bwd_hook")
+            self.context_level += 1
             try:
                 for name, fn in resolved:
-                    self.hook_dict[name].add_hook(fn)
-                    added.append((name, self.hook_dict[name].fwd_hooks[-1]))
+                    self.hook_dict[name].add_hook(fn, level=self.context_level)
+                for name, fn in backward:  # they make the block's calls run in model.tl (see forward)
+                    self.hook_dict[name].add_hook(fn, dir="bwd", level=self.context_level)
                 yield self
             finally:
                 if reset_hooks_end:
-                    for name, handle in added:
-                        if handle in self.hook_dict[name].fwd_hooks:
-                            self.hook_dict[name].fwd_hooks.remove(handle)
-                    if clear_contexts:
-                        for name, _ in added:
-                            self.hook_dict[name].clear_context()
+                    self.reset_hooks(clear_contexts, including_permanent=False, level=self.context_level)
+                self.context_level -= 1
 
     # --- forward passes ---------------------------------------------------------------------------
     def __call__(self, input, return_type: str | None = "logits", **kwargs):
@@ -324,9 +454,11 @@ class HookedServedModel:
 
         with self.hooks([(n, save(n)) for n in names]):
             out = self.forward(input, return_type=return_type, **kwargs)
-        ordered = {n: cache[n] for n in names}
+        ordered = {n: cache[n] for n in names if n in cache}  # start/stop_at_layer: some never fire
         if not return_cache_object:
             return out, ordered
+        from .cache import ActivationCache  # TransformerLens's subclass: imports transformer_lens (seconds)
+
         result = ActivationCache(ordered, self)
         return out, result.remove_batch_dim() if remove_batch_dim else result
 
@@ -342,11 +474,96 @@ class HookedServedModel:
 
     @one_call_at_a_time
     def forward(self, input, return_type: str | None = "logits", prepend_bos: bool | None = None,
-                padding_side: str | None = None, attention_mask=None, loss_per_token: bool = False, apps=None):
+                padding_side: str | None = None, attention_mask=None, loss_per_token: bool = False, apps=None,
+                start_at_layer: int | None = None, stop_at_layer: int | None = None):
         """One forward pass with the hooks on the hook points. With `apps` (names, or one list per
-        row; or apps made active by `activate`), an AppRun: the result and what the apps read."""
+        row; or apps made active by `activate`), an AppRun: the result and what the apps read.
+
+        `stop_at_layer=L` (negative: from the end) returns the residual stream entering block L
+        (blocks.L.hook_resid_pre, before its hooks; at L = n_layers, after the last block, as
+        HookedTransformer); no hook from there on runs. `start_at_layer=L`
+        takes that residual [batch, pos, d_model] as the input and runs from block L; no hook
+        before it runs (TransformerLens's semantics). The engine still computes the whole pass.
+
+        While a hook point holds backward hooks (run_with_hooks(bwd_hooks=...), add_hook(dir="bwd")),
+        the call runs in model.tl instead, TransformerLens's own model on the same weights (CPU,
+        fp32), with every hook of the hook points (forward and backward), so that `.backward()` on
+        the result runs the backward hooks; they stay on model.tl until hooks are next removed."""
+        if self._has_backward_hooks():
+            return self._forward_in_tl(input, apps, return_type=return_type, prepend_bos=prepend_bos,
+                                       padding_side=padding_side, attention_mask=attention_mask,
+                                       loss_per_token=loss_per_token, start_at_layer=start_at_layer,
+                                       stop_at_layer=stop_at_layer)
+        if start_at_layer is not None or stop_at_layer is not None:
+            return self._forward_between_layers(input, return_type, start_at_layer, stop_at_layer,
+                                                prepend_bos=prepend_bos, padding_side=padding_side,
+                                                attention_mask=attention_mask, loss_per_token=loss_per_token,
+                                                apps=apps)
         call = self._forward_call(input, return_type, prepend_bos, padding_side, attention_mask, loss_per_token, apps)
         return call.finish(self._run(call.plans))
+
+    def _forward_in_tl(self, input, apps, **kwargs):
+        """The gradient path (see forward): the hook points' hooks put on model.tl, then its forward."""
+        if apps is not None:
+            raise ValueError("apps run in the engine, but this call runs in model.tl because hook points hold "
+                             "backward hooks; run the apps in a call without backward hooks")
+        self._tl_hooks.sync(self.tl, self.hook_dict)
+        return self.tl.forward(input, **kwargs)
+
+    def _forward_between_layers(self, input, return_type, start_at_layer, stop_at_layer, **kwargs):
+        """start_at_layer / stop_at_layer in the engine: the hook points outside [start, stop) are
+        silenced for the call, a hook writes the given residual at blocks.start.hook_resid_pre, and
+        one reads the residual at blocks.stop.hook_resid_pre."""
+        n_layers, names = self.cfg.n_layers, list(self.hook_dict)
+        first, end = 0, len(names)
+        if start_at_layer is not None:
+            start = _layer(start_at_layer, n_layers, "start_at_layer", n_layers - 1)
+            if not (isinstance(input, torch.Tensor) and input.is_floating_point() and input.dim() in (2, 3)):
+                raise ValueError(f"start_at_layer takes the residual stream [batch, pos, d_model] entering block "
+                                 f"{start} as input, got {type(input).__name__}: capture it with run_with_cache "
+                                 f"(cache['blocks.{start}.hook_resid_pre']) or input_to_embed")
+            if return_type in ("loss", "both"):
+                raise ValueError("start_at_layer with return_type 'loss' needs the tokens, which a residual input "
+                                 "does not carry: take return_type='logits' and compute the loss from them")
+            residual = (input[None] if input.dim() == 2 else input).to(self.cfg.dtype)
+            first = names.index(f"blocks.{start}.hook_resid_pre")
+            # placeholder tokens: every position of every row is computed again under the written residual
+            # (a pass that writes per-token values gets fresh prefix-cache salts: backend/vllm/engine.py row_salts)
+            input = torch.full(residual.shape[:2], self.tokenizer.pad_token_id, dtype=torch.long)
+        kept, keep_at = {}, None
+        if stop_at_layer is not None:
+            stop = _layer(stop_at_layer, n_layers, "stop_at_layer", n_layers)
+            return_type = None
+            if stop < n_layers:
+                end = names.index(f"blocks.{stop}.hook_resid_pre")
+                keep_at = names[end]
+            else:  # the residual after the last block, as HookedTransformer (TL 4.3's bridge returns logits)
+                keep_at = f"blocks.{n_layers - 1}.hook_resid_post"
+                end = names.index(keep_at) + 1
+
+        def write_residual(act, hook):
+            act[:] = residual
+            return act
+
+        def keep_residual(act, hook):
+            kept["residual"] = act.detach()
+
+        silenced = {name: self.hook_dict[name].fwd_hooks for name in names[:first] + names[end:]}
+        added = []
+        try:
+            for name in silenced:
+                self.hook_dict[name].fwd_hooks = []
+            if first:
+                added.append((names[first], self.hook_dict[names[first]].add_hook(write_residual, prepend=True)))
+            if keep_at is not None:
+                added.append((keep_at, self.hook_dict[keep_at].add_hook(keep_residual)))
+            result = self.forward(input, return_type=return_type, **kwargs)
+        finally:
+            for name, handle in added:
+                self.hook_dict[name].fwd_hooks.remove(handle)
+            for name, hooks in silenced.items():
+                self.hook_dict[name].fwd_hooks = hooks
+        return kept["residual"] if kept else result
 
     @one_call_at_a_time
     def run_batch(self, requests: Sequence[tuple], return_type: str | None = "logits", **kwargs) -> list:
@@ -381,10 +598,15 @@ class HookedServedModel:
         selection = self.app_registry.selection(apps, len(rows))
         self._sync_resident(selection)
         groups = self._groups(selection, len(rows))
+        computed = self._computed_hooks()
+        attention_reads: dict[str, torch.Tensor] = {}
+        if computed and len(groups) > 1:
+            raise ValueError(f"hooks on {sorted(computed)} need one pass for the call; these rows select different "
+                             f"apps: use run_batch with one (input, fwd_hooks, apps) entry per app subset")
         plans = []
         for g in groups:
             traced = self._traced_apps(g)
-            with attached(self.hook_dict, traced):
+            with attached(self.hook_dict, traced), self.hooks(self._attention_reads(computed, attention_reads)):
                 # the whole batch's padded width, so that every group's logits and reads line up
                 prompt = self._trace_hooks(len(g.rows), tokens.shape[1])
             if return_type is not None:
@@ -393,6 +615,8 @@ class HookedServedModel:
             plans.append(self._plan(g, rows, offsets, prompt))
 
         def finish(outcomes: list) -> object:
+            if computed:
+                self._fire_computed(computed, attention_reads, offsets, [len(r) for r in rows], tokens.shape[1])
             logits = None
             if return_type is not None:
                 logits = torch.empty(tokens.shape + (self.cfg.d_vocab,))
@@ -438,6 +662,10 @@ class HookedServedModel:
         self._sync_resident(selection)
         B, P = tokens.shape
         with self.hooks(fwd_hooks):
+            if computed := sorted(self._computed_hooks()):
+                raise ValueError(f"hooks on {computed} fire in forward passes (run_with_hooks, run_with_cache, "
+                                 f"model(...)), not yet in generate: run run_with_cache on the generated tokens to "
+                                 f"see their attention")
             groups = self._groups(selection, B)
             plans = []
             for g in groups:
@@ -462,10 +690,11 @@ class HookedServedModel:
         return AppRun(result, merged(groups, B, "outputs"), merged(groups, B, "generated_outputs"), selection)
 
     def _format_generated(self, input, full: list[list[int]], return_type: str):
-        """Text for text input (or return_type "str"), else padded token rows."""
+        """Text for text input (or return_type "str"), else padded token rows. Text is decoded
+        without special tokens (BOS, EOS, padding), as TransformerLens's generate decodes it."""
         text_in = not isinstance(input, torch.Tensor) and (isinstance(input, str) or isinstance(input[0], str))
         if return_type == "str" or (return_type == "input" and text_in):
-            texts = [self.tokenizer.decode(t) for t in full]
+            texts = [self.tokenizer.decode(t, skip_special_tokens=True) for t in full]
             return texts[0] if isinstance(input, str) else texts
         out = torch.full((len(full), max(len(t) for t in full)), self.tokenizer.pad_token_id, dtype=torch.long)
         for i, t in enumerate(full):
@@ -492,6 +721,44 @@ class HookedServedModel:
             lines += [f"    {describe(op)}" for op in traced.ops.get(graph.hook_name, [])]
         return "\n".join(lines) if lines else "no hooks"
 
+    # --- computed hook points: attention scores and patterns (attention_points.py) ----------------
+    def _computed_hooks(self) -> dict[str, list[HookFn]]:
+        return {name: [h.hook for h in hp.fwd_hooks] for name, hp in self.hook_dict.items()
+                if hp.fwd_hooks and hook_points.is_computed(name)}
+
+    def _attention_reads(self, computed: dict, reads: dict) -> list[tuple[str, HookFn]]:
+        """Hooks that keep, into `reads`, the query and key of each layer with computed hooks, after
+        the user's hooks at those points (what attention used)."""
+        def keep(act, hook):
+            reads[hook.name] = act.detach()
+
+        layers = sorted({self.hook_dict[name].layer() for name in computed})
+        return [(name, keep) for L in layers for name in attention_points.query_key_names(self.cfg.family, L)]
+
+    def _fire_computed(self, computed: dict, reads: dict, offsets: list[int], lengths: list[int], P: int) -> None:
+        """Call the hooks on attention scores and patterns, in firing order, on the values the pass's
+        queries and keys give. A hook that changes them is refused: the engine's attention has already
+        run with the unchanged pattern (writes are not supported yet)."""
+        mask = attention_points.allowed(offsets, lengths, P)
+        for L in sorted({self.hook_dict[name].layer() for name in computed}):
+            q_name, k_name = attention_points.query_key_names(self.cfg.family, L)
+            scores = attention_points.scores_from(reads[q_name], reads[k_name], mask.to(reads[q_name].device))
+            scores = self._call_computed(f"blocks.{L}.attn.hook_attn_scores", scores.to(self.cfg.dtype))
+            self._call_computed(f"blocks.{L}.attn.hook_pattern",
+                                attention_points.pattern_from(scores).to(self.cfg.dtype))
+
+    def _call_computed(self, name: str, act: torch.Tensor) -> torch.Tensor:
+        hp = self.hook_dict[name]
+        before = act.clone()
+        for handle in list(hp.fwd_hooks):
+            out = handle.hook(act, hook=hp)
+            act = act if out is None else out
+        if not torch.equal(act, before):
+            raise NotImplementedError(f"a hook on {name} changed it: writes to attention scores and patterns are "
+                                      f"not supported yet (the engine's fused attention has run with the unchanged "
+                                      f"pattern); read them here, and write hook_z, hook_rot_q/k or hook_attn_out")
+        return act
+
     # --- tracing and running passes -----------------------------------------------------------------
     def _trace_hooks(self, B: int, P: int, inherited=None, phase: str = "prefill",
                      hooks: dict[str, list[HookFn]] | None = None, params: dict | None = None) -> PhaseOps:
@@ -504,7 +771,7 @@ class HookedServedModel:
         session = stores.TraceSession(B, P, inherited=dict(inherited or {}))
         tracers, kept = [], []
         for name, hp in self.hook_dict.items():
-            if hooks.get(name):
+            if hooks.get(name) and not hook_points.is_computed(name):  # computed ones fire after the pass
                 tracer = Tracer(name, (B, P) + self.feature_shapes[name], self.cfg.dtype, session, phase)
                 for fn in list(hooks[name]):
                     tracer.call(fn, hp)
@@ -521,13 +788,18 @@ class HookedServedModel:
         graphs, so that new values are lowered again from the graphs without calling the hooks."""
         hooks: dict[str, list[HookFn]] = {}
         for point, fn in self._check_hooks(fwd_hooks, ()):
+            if hook_points.is_computed(point):
+                raise ValueError(f"app {name!r}: {point} is computed per call from the pass's queries and keys "
+                                 f"(xmix_lens/attention_points.py), so it cannot run inside the engine as an app; "
+                                 f"run that hook with run_with_hooks")
             hooks.setdefault(point, []).append(fn)
-        if params:
-            values = {key: value.detach().clone() for key, value in params.items()}
-            with as_parameters(params):
-                traced = self._trace_hooks(1, 1, hooks=hooks, params=values)
-        else:
-            traced = self._trace_hooks(1, 1, hooks=hooks)
+        with traced_once_for(f"app {name!r}'s every request (an installed app is traced once)"):
+            if params:
+                values = {key: value.detach().clone() for key, value in params.items()}
+                with as_parameters(params):
+                    traced = self._trace_hooks(1, 1, hooks=hooks, params=values)
+            else:
+                traced = self._trace_hooks(1, 1, hooks=hooks)
         if traced.per_request_stores:
             raise ValueError(f"app {name!r}: installed apps do not use stores yet; run its hooks with run_with_hooks")
         return traced
@@ -778,6 +1050,16 @@ def _next_token_loss(logits: torch.Tensor, tokens: torch.Tensor, mask: torch.Ten
     if per_token:
         return nll * valid
     return (nll * valid).sum() / valid.sum()
+
+
+
+def _layer(layer: int, n_layers: int, what: str, highest: int) -> int:
+    """A layer index of start_at_layer / stop_at_layer, negative ones counted from the end."""
+    index = layer + n_layers if layer < 0 else layer
+    if not 0 <= index <= highest:
+        raise ValueError(f"{what}={layer} is out of range: this model has {n_layers} layers; use -{n_layers} … "
+                         f"{highest}")
+    return index
 
 
 HookedTransformer = HookedServedModel

@@ -32,7 +32,8 @@ class Op:
     args: tuple[str, ...]
     torch: Callable | None  # per token over the feature dim; None for structural ops
     shards: str  # "local": each rank runs its block; "gather": the op needs the whole row
-    # torch function / method names traced as this op (their in-place spellings too: add_, __iadd__)
+    # torch function / method names traced as this op; their in-place spellings (add_, __iadd__, clamp_,
+    # masked_fill_) are traced as the op followed by a write into the tensor they were called on
     aliases: tuple[str, ...] = ()
 
 
@@ -69,9 +70,12 @@ _TABLE = [
     Op("log", "elementwise", ("value",), torch.log, "local", ("log",)),
     Op("logical_not", "elementwise", ("value",), lambda a: (a == 0).float(), "local", ("logical_not", "__invert__")),
     # elementwise with numbers
-    Op("pow", "elementwise", ("value", "exponent"), torch.pow, "local"),
-    Op("where", "elementwise", ("value", "value", "value"), lambda c, a, b: torch.where(c != 0, a, b), "local"),
-    Op("clamp", "elementwise", ("value", "bound", "bound"), torch.clamp, "local"),
+    # (their torch spellings' arguments are read in trace.py: sqrt is pow 0.5, masked_fill(m, v) is where(m, v, x))
+    Op("pow", "elementwise", ("value", "exponent"), torch.pow, "local", ("pow", "__pow__", "sqrt", "rsqrt")),
+    Op("where", "elementwise", ("value", "value", "value"), lambda c, a, b: torch.where(c != 0, a, b), "local",
+       ("where", "masked_fill")),
+    Op("clamp", "elementwise", ("value", "bound", "bound"), torch.clamp, "local",
+       ("clamp", "clip", "clamp_min", "clamp_max")),
     # reductions over the feature dim
     Op("sum", "reduction", ("value",), lambda a: a.sum(-1), "gather", ("sum",)),
     Op("mean", "reduction", ("value",), lambda a: a.mean(-1), "gather", ("mean",)),

@@ -6,6 +6,10 @@ function is traced when a pass starts, with the pass's padded shape, so Python s
 (counters, `cache[name] = act`) happen once per pass as in TransformerLens. A proxy the function
 keeps (stored in a dict or list it closes over) becomes a read; when the pass ends it is swapped,
 in place, for the real tensor (`torch.utils.swap_tensors`), so the user's container holds values.
+Tensors a hook makes like act (`torch.zeros_like(act)`, `act.new_full(...)`) and random draws
+(`torch.randn_like(act)`, `torch.randn(act.shape)`) are host tensors, constants of the pass: a draw is
+made from torch's generator when the pass is traced, one per call as TransformerLens draws one per
+forward, and is refused where one trace serves many tokens (generated tokens; installed apps).
 Anything outside the IR raises `TraceError` naming the hook, the line and the supported form.
 """
 import contextlib
@@ -16,6 +20,7 @@ from collections import Counter
 from collections.abc import Callable
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from .ir import Graph, Node
 from .ops import ELEMENTWISE, OPS, REDUCTIONS
@@ -36,6 +41,24 @@ def hook_that_raised(error: BaseException) -> tuple[str, str] | None:
 # and an op on a value kept from another hook point, are recorded into. A context variable, so that
 # threads tracing at once never see each other's.
 _calling: contextvars.ContextVar[tuple["Tracer", ...]] = contextvars.ContextVar("xmix_lens_calling", default=())
+
+
+# what the hooks being traced are reused for, when one trace serves many tokens (see traced_once_for)
+_traced_once_for: contextvars.ContextVar[str | None] = contextvars.ContextVar("xmix_lens_traced_once_for",
+                                                                              default=None)
+_GENERATED_TOKENS = ("every generated token (generate traces its hooks once for all decode steps, and installing "
+                     "an app traces them so too)")
+
+
+@contextlib.contextmanager
+def traced_once_for(what: str):
+    """Hooks traced in the block serve `what` (an installed app's every request) from this one trace:
+    random draws in them are refused (they would repeat), naming `what`."""
+    token = _traced_once_for.set(what)
+    try:
+        yield
+    finally:
+        _traced_once_for.reset(token)
 
 
 def current_tracer() -> "Tracer | None":
@@ -63,22 +86,41 @@ SUPPORTED = (
     "sigmoid tanh exp log softmax(-1); comparisons and logical ops; torch.where; clamp; sum mean max min "
     "norm over the last dim; xmix_lens.topk_mask; @ / matmul / einsum / einops.einsum with constant tensors; reshape view "
     "flatten permute transpose of feature dims (einops.rearrange); act[:, k], act[:, a:b], act[:, mask], "
-    "act[:, :, head(s)]; assignment into act and in-place ops on act; returning a new act; "
-    ".clone() .detach() .cpu() .to()"
+    "act[:, :, head(s)]; assignment into act (act[act > t] = v) and the in-place spelling of every op (add_ "
+    "clamp_ masked_fill_ zero_ fill_ copy_ ...) on act and its selections; returning a new act; .clone() .detach() "
+    ".cpu() .to(); constants made like act (zeros_like ones_like full_like new_zeros new_full) and random draws "
+    "(randn_like rand_like torch.randn(act.shape)), drawn once per call"
 )
 
 _METADATA = {"dim", "size", "numel", "__len__", "__format__", "__get__", "__repr__", "ndimension"}
 _IDENTITY = {"clone", "detach", "cpu", "to", "contiguous", "float", "cuda", "requires_grad_", "type_as"}
-# torch's names for the op table's ops (xmix_lens/ops.py), and their in-place spellings
-_ELEMENTWISE = {alias: name for name, op in ELEMENTWISE.items() for alias in op.aliases}
+# torch's names for the op table's ops (xmix_lens/ops.py); _ELEMENTWISE: those whose arguments are one or two
+# traced values (pow, clamp and where read numbers or three values: `record` reads their arguments)
+_ELEMENTWISE = {alias: name for name, op in ELEMENTWISE.items() for alias in op.aliases
+                if set(op.args) == {"value"} and len(op.args) <= 2}
 _REDUCE = {alias: name for name, op in REDUCTIONS.items() for alias in op.aliases}
+# the other elementwise spellings (pow, clamp, where, masked_fill, ...): `record` reads their arguments
+_SPELLED = {alias: name for name, op in ELEMENTWISE.items() for alias in op.aliases if alias not in _ELEMENTWISE}
+_ROOTS = {"sqrt": 0.5, "rsqrt": -0.5}  # spellings of pow with their exponent
 
 
 def _in_place(alias: str) -> str:
     return f"__i{alias[2:]}" if alias.startswith("__") else f"{alias}_"
 
 
-_INPLACE = {_in_place(alias): name for alias, name in _ELEMENTWISE.items() if not alias.startswith("__r")}
+# in-place spelling -> its out-of-place spelling: `x.clamp_(a, b)` is `x.clamp(a, b)` written into x
+_OUT_OF_PLACE = {_in_place(alias): alias for name, op in ELEMENTWISE.items() for alias in op.aliases
+                 if not alias.startswith("__r")}
+# in-place ops with no out-of-place spelling: the value each writes into the tensor it is called on
+_WRITES = {"zero_": lambda args: 0.0, "fill_": lambda args: args[1], "copy_": lambda args: args[1]}
+# tensors made like act: constants of the pass, built on the host (`act.device` reads as the CPU while traced)
+_FILLED_LIKE = {"zeros_like": 0.0, "ones_like": 1.0, "empty_like": 0.0, "new_zeros": 0.0, "new_ones": 1.0,
+                "new_empty": 0.0}
+_DRAWN_LIKE = {"randn_like": torch.randn, "rand_like": torch.rand}
+# torch functions that draw from torch's random number generators (on any tensor, traced or not)
+_RANDOM = {"randn", "rand", "randint", "randperm", "normal", "bernoulli", "multinomial", "poisson", *_DRAWN_LIKE,
+           "randint_like", "normal_", "uniform_", "bernoulli_", "random_", "exponential_", "cauchy_", "log_normal_",
+           "geometric_"}
 # reversed operands (2 - act), and act @ a constant (a linear map, not an elementwise op)
 _OTHER_BINARY = {"__rsub__": "rsub", "rsub": "rsub", "__rtruediv__": "rdiv", "matmul": "matmul", "__matmul__": "matmul"}
 _NUMPY = ("a numpy array met a traced value: numpy runs outside the engine; convert the array to a tensor first: "
@@ -110,6 +152,10 @@ class TracedTensor(torch.Tensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", str(func))
+        if func is torch.Tensor.where:  # act.where(cond, other) is torch.where(cond, act, other)
+            args = (args[1], args[0], *args[2:])
+        if getattr(func, "__self__", None) is torch.Tensor.device:
+            return _HOST  # `torch.zeros(act.shape, device=act.device)`: a host constant of the pass
         if name in _METADATA:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
@@ -118,6 +164,23 @@ class TracedTensor(torch.Tensor):
         tracer = current_tracer() or next(a._tracer for a in _flat(args, kwargs)
                                           if isinstance(a, TracedTensor) and not isinstance(a, ParamProxy))
         return tracer.record(name, *tracer.localized(args, kwargs))
+
+
+_HOST = torch.device("cpu")
+
+
+class _RandomDraws(TorchFunctionMode):
+    """Active while a hook function runs: every random draw it makes (on a traced value or not,
+    `torch.randn_like(act)` or `torch.randn(act.shape)`) is checked by the tracer first."""
+
+    def __init__(self, tracer: "Tracer"):
+        super().__init__()
+        self.tracer = tracer
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", None) in _RANDOM:
+            self.tracer.check_draw(func.__name__)
+        return func(*args, **(kwargs or {}))
 
 
 def _matmul(t: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
@@ -171,6 +234,12 @@ def as_parameters(params: dict[str, torch.Tensor]):
             torch.utils.swap_tensors(params[name], proxies[name])
 
 
+def _size(args: tuple, kwargs: dict) -> tuple[int, ...]:
+    """The size a `new_*` method was given: new_zeros(2, 3), new_zeros((2, 3)) or new_zeros(size=...)."""
+    size = kwargs.get("size", args[0] if len(args) == 1 else args)
+    return tuple(size) if isinstance(size, (tuple, list, torch.Size)) else (size,)
+
+
 def _flat(args, kwargs):
     for a in list(args) + list(kwargs.values()):
         if isinstance(a, (list, tuple)):
@@ -198,8 +267,22 @@ class Tracer:
         self.proxies.append(p)
         return p
 
-    def fail(self, what: str) -> TraceError:
-        return TraceError(f"hook {self.hook_label!r} at {_user_line()}\n  {what}\n  supported: {SUPPORTED}")
+    def fail(self, what: str, list_supported: bool = True) -> TraceError:
+        where = f"hook {self.hook_label!r} at {_user_line()}\n  {what}"
+        return TraceError(f"{where}\n  supported: {SUPPORTED}" if list_supported else where)
+
+    def check_draw(self, name: str) -> None:
+        """A random draw is a constant of the pass, drawn on the host from torch's generator when the
+        hook is traced: one draw per call, as TransformerLens draws one per forward. Generated
+        tokens share one trace (so do an installed app's requests): refused there, not repeated."""
+        reused = _traced_once_for.get() or (_GENERATED_TOKENS if self.graph.phase == "decode" else None)
+        if reused is not None:
+            raise self.fail(
+                f"`{name}` draws random numbers, but this hook is traced once for {reused}: the same numbers would "
+                f"repeat at each token, where TransformerLens draws fresh ones at every forward. Draw in per-call "
+                f"passes (run_with_hooks, run_with_cache, forward: one draw per call, as in TransformerLens), or "
+                f"draw the tensor outside the hook and close over it (the same numbers at every token, on purpose)",
+                list_supported=False)
 
     # --- running hook functions -----------------------------------------------------------------
     def call(self, fn: Callable, hook) -> None:
@@ -209,7 +292,8 @@ class Tracer:
         act = self.act = self.proxy(self.version)
         token = _calling.set(_calling.get() + (self,))
         try:
-            result = fn(act, hook=hook)
+            with _RandomDraws(self):
+                result = fn(act, hook=hook)
         except TraceError:
             raise
         except Exception as e:  # the function's own error: kept as it is (its type), naming the hook
@@ -350,25 +434,32 @@ class Tracer:
             if any(isinstance(a, torch.dtype) and not a.is_floating_point for a in list(args[1:]) + list(kwargs.values())):
                 raise self.fail("casting a traced value to a non-float dtype")
             return self.proxy(x._node)
+        if kwargs.get("inplace"):  # F.relu(act, inplace=True)
+            return self.write_into(x, self.record(name, args, {k: v for k, v in kwargs.items() if k != "inplace"}))
+        if name in _OUT_OF_PLACE:
+            return self.write_into(x, self.record(_OUT_OF_PLACE[name], args, kwargs))
+        if name in _WRITES:
+            return self.write_into(x, _WRITES[name](args))
+        if name in _FILLED_LIKE or name in _DRAWN_LIKE or name in ("full_like", "new_full"):
+            return self.made_like(name, x, args, kwargs)
+        if set(kwargs) == {"alpha"} and _ELEMENTWISE.get(name) in ("add", "sub"):  # add(x, y, alpha=a): x + a * y
+            return self.record(name, (x, self.record("mul", (args[1], kwargs["alpha"]), {})), {})
         if name in _OTHER_BINARY and not kwargs:
             return self.proxy(self.binary(_OTHER_BINARY[name], x, args[1]))
         if name in _ELEMENTWISE and not kwargs:
             return self.proxy(self.elementwise(_ELEMENTWISE[name], args))
-        if name in _INPLACE and not kwargs:
-            return self.inplace(x, self.elementwise(_INPLACE[name], args))
         if name in ("gelu",) and kwargs.get("approximate", "none") != "none":
             raise self.fail("gelu is supported with approximate='none'")
         if name in _REDUCE:
             return self.reduce(name, x, args, kwargs)
-        if name in ("sqrt", "rsqrt"):
-            n = x._node
-            return self.proxy(self.add("pow", (n, 0.5 if name == "sqrt" else -0.5), n.shape, n.token_dims))
-        if name in ("pow", "__pow__"):
-            if not isinstance(args[1], (int, float)):
+        op = _SPELLED.get(name)
+        if op == "pow":
+            exponent = _ROOTS.get(name, args[1] if len(args) > 1 else kwargs.get("exponent"))
+            if not isinstance(exponent, (int, float)):
                 raise self.fail("pow is supported with a constant number exponent")
             n = x._node
-            return self.proxy(self.add("pow", (n, float(args[1])), n.shape, n.token_dims))
-        if name in ("clamp", "clip", "clamp_min", "clamp_max"):
+            return self.proxy(self.add("pow", (n, float(exponent)), n.shape, n.token_dims))
+        if op == "clamp":
             lo = kwargs.get("min", args[1] if len(args) > 1 else None)
             hi = kwargs.get("max", args[2] if len(args) > 2 else None)
             if name == "clamp_max":
@@ -377,8 +468,9 @@ class Tracer:
                 raise self.fail("clamp is supported with number bounds")
             n = x._node
             return self.proxy(self.add("clamp", (n, lo, hi), n.shape, n.token_dims))
-        if name == "where":
-            cond, a, b = (self.node_of(v) for v in args[:3])
+        if op == "where":  # x.masked_fill(mask, v) is where(mask, v, x)
+            spelled = args[:3] if name == "where" else (args[1], args[2], x)
+            cond, a, b = (self.node_of(v) for v in spelled)
             shape = tuple(torch.broadcast_shapes(cond.shape, a.shape, b.shape))
             return self.proxy(self.add("where", (cond, a, b), shape, max(cond.token_dims, a.token_dims, b.token_dims)))
         if name == "topk_mask":
@@ -402,8 +494,6 @@ class Tracer:
             return self.getitem(x, args[1])
         if name == "__setitem__":
             return self.setitem(x, args[1], args[2])
-        if name in ("zero_", "fill_"):
-            return self.inplace(x, self.node_of(0.0 if name == "zero_" else args[1]))
         raise self.fail(f"`{name}` is not in the hook IR")
 
     def param_node(self, name: str, shape: tuple[int, ...]) -> Node:
@@ -564,12 +654,20 @@ class Tracer:
         pos, heads = parsed
         if pos is None and heads is None:
             return self.proxy(n)
-        return self.proxy(self.select_node(n, pos, heads), view=(x, pos, heads))
+        # as in torch, ints and slices give a view (an in-place op on it writes act); lists and masks a copy
+        basic = all(k is Ellipsis or isinstance(k, (int, slice)) for k in (key if isinstance(key, tuple) else (key,)))
+        return self.proxy(self.select_node(n, pos, heads), view=(x, pos, heads) if basic else None)
 
     def setitem(self, x: "TracedTensor", key, value) -> None:
         if x is not self.act:
             raise self.fail("assignment into a value other than the hook's own act (a copy, or an "
                             "intermediate): assign into act itself, or return the new value")
+        if isinstance(key, TracedTensor):  # act[act > t] = v: a mask computed from act, elementwise
+            if key.shape != x.shape:
+                raise self.fail(f"assignment through a traced mask of shape {list(key.shape)}: a mask computed from "
+                                f"act must have act's shape {list(x.shape)} (or use torch.where)")
+            self.write_into(x, self.record("masked_fill", (x, key, value), {}))
+            return
         parsed = self.parse_index(x._node, key)
         if parsed == "newaxis":
             raise self.fail("assignment through [..., None]")
@@ -585,6 +683,28 @@ class Tracer:
             raise self.fail(f"cannot assign a value of shape {list(v.shape)} to a slot of shape {list(slot)}") from None
         self.version = self.add("write", (self.version, v, pos, heads), x._node.shape, 2)
         x._node = self.version
+
+    def write_into(self, x, value) -> "TracedTensor":
+        """An in-place op's result (a traced value, a constant or a number) written into x."""
+        if not isinstance(x, TracedTensor):
+            raise self.fail("an in-place op on a constant tensor with a traced operand (`z += act` where z is not "
+                            "act): write it out of place, `z = z + act`")
+        return self.inplace(x, self.node_of(value))
+
+    def made_like(self, name: str, x: "TracedTensor", args: tuple, kwargs: dict) -> torch.Tensor:
+        """torch.zeros_like(act), act.new_full(size, v), torch.randn_like(act), ...: a host tensor, a
+        constant of the pass (random ones drawn now from torch's generator, as TransformerLens draws them
+        when its hook runs)."""
+        like = name.endswith("_like")
+        shape = tuple(x.shape) if like else _size(args[1:2] if name == "new_full" else args[1:], kwargs)
+        dtype = kwargs.get("dtype") or x.dtype
+        if name in _DRAWN_LIKE:
+            return _DRAWN_LIKE[name](shape, dtype=dtype)
+        value = _FILLED_LIKE.get(name, kwargs.get("fill_value", args[-1] if len(args) > (1 if like else 2) else None))
+        if not isinstance(value, (int, float, bool)):
+            raise self.fail(f"{name} with fill value {value!r}: the value must be a number (for a value computed "
+                            f"from act, use torch.where or arithmetic)")
+        return torch.full(shape, value, dtype=dtype)
 
     def inplace(self, x: "TracedTensor", value: Node) -> "TracedTensor":
         """x op= v: a write into act (or into act[k] when x is such a view of it)."""

@@ -44,7 +44,7 @@ def _shard_widths(family: str, names: list[str], hf_config, world: int) -> dict[
     site in blocks (KV heads fewer than ranks are replicated, not split)."""
     n_kv = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
     replicated_kv = n_kv % world != 0
-    return {name: None if replicated_kv and name.endswith(("attn.hook_k", "attn.hook_v"))
+    return {name: None if replicated_kv and name.endswith(("attn.hook_k", "attn.hook_rot_k", "attn.hook_v"))
             else math.prod(feature_shape(name, hf_config)) for name in filter(is_sharded, names)}
 
 

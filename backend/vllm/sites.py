@@ -16,8 +16,13 @@ Each family is a table: (submodule path, placement, hook names). Placements:
                   end)`: the site writes the columns of the output in place, before anything
                   (the rotary embedding, which rewrites q and k in place) reads them.
   "norm" for vLLM's fused `norm(x, residual)`: materialise `x + residual`, run the
-                  "sum" sites on it, normalise it unfused, run the "normalized" sites on the
-                  result. Called without a residual (Llama's first layer), the sum is `x` itself.
+                  "sum" sites on it, compute its scale (TransformerLens's hook_scale, [tokens, 1])
+                  and run the "scale" sites on it, normalise unfused by that scale, run the
+                  "normalized" sites on the result. Called without a residual (Llama's first
+                  layer), the sum is `x` itself.
+  "attention"     sites on the query and key that vLLM's attention layer receives, after the
+                  rotary embedding (TransformerLens's hook_rot_q / hook_rot_k): on contiguous
+                  copies, as q and k may be views of one qkv tensor (see site_op.py).
 The table order is the order in which TransformerLens fires the hooks in one forward pass.
 
 A site tensor is 2-D, [tokens, features]: a hook point's per-token feature shape
@@ -39,21 +44,25 @@ def _llama_table(n_layers: int) -> list[tuple[str, str, dict[str, list[str]]]]:
         resid_in = ([f"blocks.{L - 1}.hook_resid_post"] if L > 0 else []) + [f"blocks.{L}.hook_resid_pre"]
         table += [
             (f"model.layers.{L}.input_layernorm", "norm",
-             {"sum": resid_in, "normalized": [f"blocks.{L}.ln1.hook_normalized"]}),
+             {"sum": resid_in, "scale": [f"blocks.{L}.ln1.hook_scale"],
+              "normalized": [f"blocks.{L}.ln1.hook_normalized"]}),
             # q, k before rotary_emb, which rewrites them in place (TL's hook_q/k are pre-rotary)
             (f"model.layers.{L}.self_attn.qkv_proj", "split",
              {"q": [f"blocks.{L}.attn.hook_q"], "k": [f"blocks.{L}.attn.hook_k"], "v": [f"blocks.{L}.attn.hook_v"]}),
+            (f"model.layers.{L}.self_attn.attn", "attention",
+             {"q": [f"blocks.{L}.attn.hook_rot_q"], "k": [f"blocks.{L}.attn.hook_rot_k"]}),
             (f"model.layers.{L}.self_attn.o_proj", "before", {"in": [f"blocks.{L}.attn.hook_z"]}),
             (f"model.layers.{L}.self_attn", "after", {"out": [f"blocks.{L}.hook_attn_out"]}),
             (f"model.layers.{L}.post_attention_layernorm", "norm",
-             {"sum": [f"blocks.{L}.hook_resid_mid"], "normalized": [f"blocks.{L}.ln2.hook_normalized"]}),
+             {"sum": [f"blocks.{L}.hook_resid_mid"], "scale": [f"blocks.{L}.ln2.hook_scale"],
+              "normalized": [f"blocks.{L}.ln2.hook_normalized"]}),
             # the gate half of gate_up_proj's output, before SiluAndMul
             (f"model.layers.{L}.mlp.gate_up_proj", "split", {"gate": [f"blocks.{L}.mlp.hook_pre"], "up": []}),
             (f"model.layers.{L}.mlp.down_proj", "before", {"in": [f"blocks.{L}.mlp.hook_post"]}),
             (f"model.layers.{L}.mlp", "after", {"out": [f"blocks.{L}.hook_mlp_out"]}),
         ]
-    table.append(("model.norm", "norm",
-                  {"sum": [f"blocks.{n_layers - 1}.hook_resid_post"], "normalized": ["ln_final.hook_normalized"]}))
+    table.append(("model.norm", "norm", {"sum": [f"blocks.{n_layers - 1}.hook_resid_post"],
+                                         "scale": ["ln_final.hook_scale"], "normalized": ["ln_final.hook_normalized"]}))
     return table
 
 
@@ -66,20 +75,22 @@ def _gpt2_table(n_layers: int) -> list[tuple[str, str, dict[str, list[str]]]]:
         block = f"transformer.h.{L}"
         table += [
             (block, "before", {"in": [f"blocks.{L}.hook_resid_pre"]}),
-            (f"{block}.ln_1", "norm", {"sum": [], "normalized": [f"blocks.{L}.ln1.hook_normalized"]}),
+            (f"{block}.ln_1", "norm", {"sum": [], "scale": [f"blocks.{L}.ln1.hook_scale"],
+                                       "normalized": [f"blocks.{L}.ln1.hook_normalized"]}),
             (f"{block}.attn.c_attn", "split",
              {"q": [f"blocks.{L}.attn.hook_q"], "k": [f"blocks.{L}.attn.hook_k"], "v": [f"blocks.{L}.attn.hook_v"]}),
             (f"{block}.attn.c_proj", "before", {"in": [f"blocks.{L}.attn.hook_z"]}),
             (f"{block}.attn", "after", {"out": [f"blocks.{L}.hook_attn_out"]}),
             # GPT-2's block keeps `residual = hidden_states` before ln_2: the in-place write reaches it
-            (f"{block}.ln_2", "norm", {"sum": [f"blocks.{L}.hook_resid_mid"],
+            (f"{block}.ln_2", "norm", {"sum": [f"blocks.{L}.hook_resid_mid"], "scale": [f"blocks.{L}.ln2.hook_scale"],
                                        "normalized": [f"blocks.{L}.ln2.hook_normalized"]}),
             (f"{block}.mlp.c_fc", "after", {"out": [f"blocks.{L}.mlp.hook_pre"]}),
             (f"{block}.mlp.c_proj", "before", {"in": [f"blocks.{L}.mlp.hook_post"]}),
             (f"{block}.mlp", "after", {"out": [f"blocks.{L}.hook_mlp_out"]}),
             (block, "after", {"out": [f"blocks.{L}.hook_resid_post"]}),
         ]
-    table.append(("transformer.ln_f", "norm", {"sum": [], "normalized": ["ln_final.hook_normalized"]}))
+    table.append(("transformer.ln_f", "norm",
+                  {"sum": [], "scale": ["ln_final.hook_scale"], "normalized": ["ln_final.hook_normalized"]}))
     return table
 
 
@@ -141,13 +152,16 @@ def _wrap_before(module: nn.Module, site_ids: list[int]) -> None:
     module.forward = forward
 
 
-def _normalized(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The norm of x before its weight and bias, in fp32 as vLLM's norms compute it."""
+def _centred(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """x in fp32 (as vLLM's norms compute), minus its mean for a LayerNorm."""
     xf = x.float()
-    if isinstance(norm, nn.LayerNorm):
-        xf = xf - xf.mean(-1, keepdim=True)
+    return xf - xf.mean(-1, keepdim=True) if isinstance(norm, nn.LayerNorm) else xf
+
+
+def _scale(norm: nn.Module, centred: torch.Tensor) -> torch.Tensor:
+    """TransformerLens's hook_scale: [tokens, 1], what the norm divides by."""
     eps = norm.eps if isinstance(norm, nn.LayerNorm) else norm.variance_epsilon
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return (centred.pow(2).mean(-1, keepdim=True) + eps).sqrt()
 
 
 def _weighted(norm: nn.Module, normalized: torch.Tensor) -> torch.Tensor:
@@ -155,14 +169,17 @@ def _weighted(norm: nn.Module, normalized: torch.Tensor) -> torch.Tensor:
     return out + norm.bias if getattr(norm, "bias", None) is not None else out
 
 
-def _wrap_norm(norm: nn.Module, sum_ids: list[int], normalized_ids: list[int]) -> None:
+def _wrap_norm(norm: nn.Module, sum_ids: list[int], scale_ids: list[int], normalized_ids: list[int]) -> None:
     inner = norm.forward
 
     def forward(x, residual=None):
         resid = x if residual is None else x + residual
         _run_sites(resid, sum_ids)
-        if normalized_ids:
-            normalized = _normalized(norm, resid)
+        if scale_ids or normalized_ids:
+            centred = _centred(norm, resid)
+            scale = _scale(norm, centred).to(resid.dtype)
+            _run_sites(scale, scale_ids)
+            normalized = (centred / scale.float()).to(resid.dtype)
             _run_sites(normalized, normalized_ids)
             out = _weighted(norm, normalized)
         else:
@@ -170,6 +187,21 @@ def _wrap_norm(norm: nn.Module, sum_ids: list[int], normalized_ids: list[int]) -
         return out if residual is None else (out, resid)
 
     norm.forward = forward
+
+
+def _wrap_attention(attention: nn.Module, q_ids: list[int], k_ids: list[int]) -> None:
+    inner = attention.forward
+
+    def forward(query, key, value, *args, **kwargs):
+        if q_ids:
+            query = query.clone(memory_format=torch.contiguous_format)
+            _run_sites(query, q_ids)
+        if k_ids:
+            key = key.clone(memory_format=torch.contiguous_format)
+            _run_sites(key, k_ids)
+        return inner(query, key, value, *args, **kwargs)
+
+    attention.forward = forward
 
 
 def install_sites(model: nn.Module, family: str, n_layers: int, armed: set[str]) -> list[str]:
@@ -187,9 +219,13 @@ def install_sites(model: nn.Module, family: str, n_layers: int, armed: set[str])
     for path, placement, groups in table:
         module = model.get_submodule(path)
         if placement == "norm":
-            sum_ids, normalized_ids = armed_ids(groups["sum"]), armed_ids(groups["normalized"])
-            if sum_ids or normalized_ids:
-                _wrap_norm(module, sum_ids, normalized_ids)
+            ids = [armed_ids(groups[part]) for part in ("sum", "scale", "normalized")]
+            if any(ids):
+                _wrap_norm(module, *ids)
+        elif placement == "attention":
+            q_ids, k_ids = armed_ids(groups["q"]), armed_ids(groups["k"])
+            if q_ids or k_ids:
+                _wrap_attention(module, q_ids, k_ids)
         elif placement == "split":
             parts = [armed_ids(group) for group in groups.values()]
             if any(parts):

@@ -254,15 +254,15 @@ def test_probe_readout(model, padding_side, served, reference, tolerance):
 # --- 7. logit lens -------------------------------------------------------------------------------
 def folded_unembedding(xl, tl):
     """TL's unembedding with its final norm's weight (and GPT-2's bias) folded in: what the
-    residual's normalized value is multiplied by to give the logits. xmix-lens's engine.W_U / b_U are
-    the same matrix: checked here, then only TL's is used."""
+    residual's normalized value is multiplied by to give the logits. xmix-lens's engine.W_U / b_U (the
+    unembedding of the final norm's output) are TL's W_U / b_U: checked here, then only TL's are used."""
     b = tl.bridge
     params = dict(b.ln_final.named_parameters())
     weight = next(p for n, p in params.items() if n.endswith("weight")).detach()
     bias = next((p for n, p in params.items() if n.endswith("bias")), None)
     W = weight[:, None] * b.W_U.detach()
     b_U = b.b_U.detach() + (0 if bias is None else bias.detach() @ b.W_U.detach())
-    assert (W - xl.engine.W_U).abs().max() < 1e-5 and (b_U - xl.engine.b_U).abs().max() < 1e-4
+    assert (b.W_U.detach() - xl.engine.W_U).abs().max() < 1e-5 and (b.b_U.detach() - xl.engine.b_U).abs().max() < 1e-4
     return W, b_U
 
 

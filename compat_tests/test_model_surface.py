@@ -8,6 +8,7 @@ import torch
 import transformer_lens
 from transformer_lens.config import TransformerBridgeConfig
 
+from tests.tiny_models import tiny_gpt2
 from xmix_lens import HookedTransformer, hook_points
 
 MODELS = ["tiny-llama", "tiny-gpt2"]
@@ -125,13 +126,12 @@ def test_nn_module_surface(pair):
     assert xl.get_token_position(word, PROMPT, mode="last") == tl.get_token_position(word, PROMPT, mode="last")
 
 
-def test_processing_flags_are_refused_with_the_fix():
-    for flag in ("fold_ln", "center_writing_weights", "center_unembed", "fold_value_biases",
-                 "refactor_factored_attn_matrices"):
-        with pytest.raises(ValueError, match=f"{flag}.*from_pretrained_no_processing"):
-            HookedTransformer.from_pretrained("smollm2-135m", **{flag: True})
-        with pytest.raises(ValueError, match="not served yet"):
-            HookedTransformer.from_pretrained_no_processing("smollm2-135m", **{flag: True})
+def test_processing_flags_refused_where_they_cannot_be_served():
+    with pytest.raises(ValueError, match="from_pretrained_no_processing serves the raw weights.*fold_ln=True"):
+        HookedTransformer.from_pretrained_no_processing("smollm2-135m", fold_ln=True)
+    # GPT-2: folding the final LayerNorm makes an unembedding bias, which GPT-2's output layer lacks
+    with pytest.raises(ValueError, match="nonzero b_U.*fold_ln=False"):
+        HookedTransformer.from_pretrained(str(tiny_gpt2()), fold_ln=True)
 
 
 def test_generate_decodes_like_transformer_lens(pair):

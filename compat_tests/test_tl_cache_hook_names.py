@@ -28,7 +28,6 @@ def legacy_names(keys):
 
 
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny-gpt2"])
-@pytest.mark.xfail(strict=True, reason="not supported yet (issue #14 stays open): mlp.hook_pre_linear, unembed.hook_in/out")
 def test_cache_hook_names(model, served, reference):
     _, theirs = reference[model].bridge.run_with_cache(PROMPT)
     expected = legacy_names(list(theirs.keys()))

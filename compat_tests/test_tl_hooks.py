@@ -209,7 +209,6 @@ CONDITIONAL = [("blocks.0.attn.hook_result", "set_use_attn_result"),
                ("blocks.0.hook_attn_in", "set_use_attn_in")]
 
 
-@pytest.mark.xfail(strict=True, reason="not supported yet (issue #14 stays open): set_use_attn_result / hook_result")
 def test_conditional_hooks(model, model_name, reference):
     """Hooks behind a use_* flag can be added only with the flag on, and cache with TL's shapes."""
     def identity(act, hook):

@@ -147,7 +147,6 @@ def test_start_and_stop(setup_data):
     assert "ln_final.hook_normalized" not in cache.keys()
 
 
-@pytest.mark.xfail(strict=True, reason="not supported yet (issue #14 stays open): forward(tokens=, shortformer_pos_embed=) with start_at_layer")
 def test_start_at_layer_kwargs(setup_data):
     model = setup_data["model"]
     side = model.tokenizer.padding_side

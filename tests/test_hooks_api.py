@@ -114,10 +114,12 @@ def test_prepend_changes_order(model):
     model.add_hook(name, zero)
     model.add_hook(name, add)
     add_last = model(PROMPT)
-    # the engine's unembedding (the final norm's weight folded in): what the normalized value is multiplied by
+    # the logits of a normalized value: the final norm's weight (and bias), then the engine's unembedding
+    w, b = model.ln_final.w, getattr(model.ln_final, "b", None)
     W_U, b_U = model.engine.W_U, model.engine.b_U
-    assert torch.allclose(zero_last, b_U.expand_as(zero_last))
-    assert torch.allclose(add_last, (v @ W_U + b_U).expand_as(add_last), atol=1e-4)
+    b = torch.zeros_like(w) if b is None else b
+    assert torch.allclose(zero_last, (b @ W_U + b_U).expand_as(zero_last), atol=1e-4)
+    assert torch.allclose(add_last, ((v * w + b) @ W_U + b_U).expand_as(add_last), atol=1e-4)
 
 
 def test_backward_hooks_are_kept_apart_from_forward_hooks(model):
@@ -143,9 +145,9 @@ def test_cache_hook_names_in_firing_order(model):
                                                   "attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.hook_rot_q",
                                                   "attn.hook_rot_k", "attn.hook_attn_scores", "attn.hook_pattern",
                                                   "attn.hook_z", "hook_attn_out", "hook_resid_mid", "ln2.hook_scale",
-                                                  "ln2.hook_normalized", "mlp.hook_pre", "mlp.hook_post",
+                                                  "ln2.hook_normalized", "mlp.hook_pre", "mlp.hook_pre_linear", "mlp.hook_post",
                                                   "hook_mlp_out", "hook_resid_post")]
-    expected += ["ln_final.hook_scale", "ln_final.hook_normalized"]
+    expected += ["ln_final.hook_scale", "ln_final.hook_normalized", "unembed.hook_in", "unembed.hook_out"]
     assert list(cache.keys()) == expected
 
 
@@ -236,13 +238,18 @@ def test_unknown_hook_name_lists_nearest(usable):
         usable.run_with_hooks(PROMPT, fwd_hooks=[("blocks.0.hook_resid_pots", Counter().inc)])
 
 
-def test_attention_pattern_writes_say_why(usable):
-    def knock_out(pattern, hook):
-        pattern[:, :, :, 0] = 0.0
+def test_attention_pattern_hooks_in_generate_say_why(usable):
+    with pytest.raises(ValueError, match="not yet in generate"):
+        usable.generate(PROMPT, max_new_tokens=2, fwd_hooks=[("blocks.0.attn.hook_pattern", Counter().inc)])
 
-    with pytest.raises(NotImplementedError, match="writes to attention scores and patterns are not supported"):
-        usable.run_with_hooks(PROMPT, fwd_hooks=[("blocks.0.attn.hook_pattern", knock_out)])
-    assert usable(PROMPT).isfinite().all()  # the engine stays usable
+
+def test_switched_hook_points_need_their_switch(usable):
+    with pytest.raises(ValueError, match=r"set_use_attn_result\(True\)"):
+        usable.run_with_hooks(PROMPT, fwd_hooks=[("blocks.0.attn.hook_result", Counter().inc)])
+    with pytest.raises(ValueError, match="mutually exclusive"):
+        usable.set_use_attn_in(True)
+        usable.set_use_split_qkv_input(True)
+    usable.set_use_attn_in(False)
 
 
 def test_wrong_size_steering_vector(usable):

@@ -26,12 +26,15 @@ _ALIASES = {
     r"blocks\.(\d+)\.attn\.([qkv])\.hook_out": r"blocks.\1.attn.hook_\2",
     r"blocks\.(\d+)\.attn\.o\.hook_in": r"blocks.\1.attn.hook_z",
     r"blocks\.(\d+)\.mlp\.out\.hook_in": r"blocks.\1.mlp.hook_post",
+    r"blocks\.(\d+)\.attn\.hook_(attn_in|[qkv]_input)": r"blocks.\1.hook_\2",
 }
 
 # Hook points TransformerLens has that the served path does not offer yet, with the reason.
 _UNSUPPORTED = {
     r"blocks\.\d+\.attn\.hook_rot_[qk]":
         "GPT-2 has no rotary embedding (TransformerLens has no hook_rot_q/k for it either); use attn.hook_q / hook_k",
+    r"blocks\.\d+\.mlp\.hook_pre_linear":
+        "GPT-2's MLP is not gated (TransformerLens has no hook_pre_linear for it either); use mlp.hook_pre",
 }
 
 def canonical_name(name: str) -> str:
@@ -131,18 +134,31 @@ class HookPoint:
         return f"HookPoint({self.name!r}, {len(self.fwd_hooks)} fwd, {len(self.bwd_hooks)} bwd hooks)"
 
 
-# One block's hook points in firing order (TransformerLens's order). The engine places every one
-# of them (a site), except the COMPUTED ones, which the API layer computes from the engine's reads
-# of a pass (xmix_lens/attention_points.py): vLLM's fused attention never materialises them.
+# One block's hook points in firing order (HookedTransformer's order). The engine places every one
+# of them (a site), except the COMPUTED ones, which the API layer computes after a pass from the
+# engine's reads of it (xmix_lens/computed_points.py): vLLM's forward never materialises them.
 ATTENTION_POINTS = {"llama": ("attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.hook_rot_q", "attn.hook_rot_k"),
                     "gpt2": ("attn.hook_q", "attn.hook_k", "attn.hook_v")}
-COMPUTED_POINTS = ("attn.hook_attn_scores", "attn.hook_pattern")
+# gated MLPs (Llama) have a linear half beside the activation's input
+MLP_POINTS = {"llama": ("mlp.hook_pre", "mlp.hook_pre_linear", "mlp.hook_post"),
+              "gpt2": ("mlp.hook_pre", "mlp.hook_post")}
+COMPUTED_POINTS = ("hook_attn_in", "hook_q_input", "hook_k_input", "hook_v_input", "attn.hook_attn_scores",
+                   "attn.hook_pattern", "attn.hook_result", "hook_mlp_in", "unembed.hook_out")
+# Computed points TransformerLens fires only while a config switch is on (model.set_use_attn_result(True) ...)
+SWITCHED = {"hook_attn_in": "use_attn_in", "hook_q_input": "use_split_qkv_input",
+            "hook_k_input": "use_split_qkv_input", "hook_v_input": "use_split_qkv_input",
+            "attn.hook_result": "use_attn_result", "hook_mlp_in": "use_hook_mlp_in"}
 
 
 def _block_points(family: str, computed: bool) -> tuple[str, ...]:
-    return ("hook_resid_pre", "ln1.hook_scale", "ln1.hook_normalized", *ATTENTION_POINTS[family],
-            *(COMPUTED_POINTS if computed else ()), "attn.hook_z", "hook_attn_out", "hook_resid_mid",
-            "ln2.hook_scale", "ln2.hook_normalized", "mlp.hook_pre", "mlp.hook_post", "hook_mlp_out", "hook_resid_post")
+    def maybe(*points):
+        return points if computed else ()
+
+    return ("hook_resid_pre", *maybe("hook_attn_in", "hook_q_input", "hook_k_input", "hook_v_input"),
+            "ln1.hook_scale", "ln1.hook_normalized", *ATTENTION_POINTS[family],
+            *maybe("attn.hook_attn_scores", "attn.hook_pattern"), "attn.hook_z", *maybe("attn.hook_result"),
+            "hook_attn_out", "hook_resid_mid", *maybe("hook_mlp_in"), "ln2.hook_scale", "ln2.hook_normalized",
+            *MLP_POINTS[family], "hook_mlp_out", "hook_resid_post")
 
 
 # What comes before the blocks, per family: GPT-2 adds learned position embeddings.
@@ -154,7 +170,8 @@ def _names(family: str, n_layers: int, computed: bool) -> list[str]:
     if family not in EMBEDDING_POINTS:
         raise ValueError(f"unknown model family {family!r}; supported: {list(FAMILIES)}")
     blocks = [f"blocks.{L}.{point}" for L in range(n_layers) for point in _block_points(family, computed)]
-    return [*EMBEDDING_POINTS[family], *blocks, "ln_final.hook_scale", "ln_final.hook_normalized"]
+    return [*EMBEDDING_POINTS[family], *blocks, "ln_final.hook_scale", "ln_final.hook_normalized",
+            "unembed.hook_in", *(("unembed.hook_out",) if computed else ())]
 
 
 def hook_names(family: str, n_layers: int) -> list[str]:
@@ -167,8 +184,18 @@ def point_names(family: str, n_layers: int) -> list[str]:
     return _names(family, n_layers, computed=True)
 
 
+def _point(name: str) -> str:
+    """The block-relative part of a name: "attn.hook_z" for "blocks.3.attn.hook_z"."""
+    return re.sub(r"^blocks\.\d+\.", "", name)
+
+
 def is_computed(name: str) -> bool:
-    return name.split(".", 2)[-1] in COMPUTED_POINTS
+    return _point(name) in COMPUTED_POINTS
+
+
+def switch_of(name: str) -> str | None:
+    """The config switch without which TransformerLens never fires this hook point (None: always fires)."""
+    return SWITCHED.get(_point(name))
 
 
 def _dims(cfg) -> dict[str, int]:
@@ -189,15 +216,20 @@ def feature_shape(name: str, config) -> tuple[int, ...]:
     """The per-token feature shape of a hook point's act, as in TransformerLens: act is
     [batch, pos, *feature_shape]. `config`: an HF config or a TransformerLens-style one."""
     d = _dims(config)
-    point = re.sub(r"^blocks\.\d+\.", "", name)
+    point = _point(name)
     if point in ("attn.hook_q", "attn.hook_rot_q", "attn.hook_z"):
         return (d["n_heads"], d["d_head"])
     if point in ("attn.hook_k", "attn.hook_rot_k", "attn.hook_v"):
         return (d["n_kv_heads"], d["d_head"])
-    if point in ("mlp.hook_pre", "mlp.hook_post"):
+    if point in ("mlp.hook_pre", "mlp.hook_pre_linear", "mlp.hook_post"):
         return (d["d_mlp"],)
     if point.endswith("hook_scale"):
         return (1,)
+    # computed points, [batch, pos, heads, d_model]: per head, HookedTransformer's layout (k and v per key-value head)
+    if point in ("hook_attn_in", "hook_q_input", "attn.hook_result"):
+        return (d["n_heads"], d["d_model"])
+    if point in ("hook_k_input", "hook_v_input"):
+        return (d["n_kv_heads"], d["d_model"])
     return (d["d_model"],)
 
 
@@ -205,11 +237,19 @@ def make_hook_dict(family: str, n_layers: int) -> dict[str, HookPoint]:
     return {name: HookPoint(name) for name in point_names(family, n_layers)}
 
 
-def resolve(hook_dict: dict[str, HookPoint], name_or_filter: str | Callable[[str], bool]) -> list[str]:
-    """Names a hook spec refers to: one (aliases accepted) or every name a filter accepts."""
+def resolve(hook_dict: dict[str, HookPoint], name_or_filter: str | Callable[[str], bool], cfg=None) -> list[str]:
+    """Names a hook spec refers to: one (aliases accepted) or every name a filter accepts. With
+    `cfg`, hook points whose switch (switch_of) is off there are left out of a filter's names and
+    refused by name, as TransformerLens refuses a hook on them."""
+    def off(n):
+        return cfg is not None and (switch := switch_of(n)) is not None and not getattr(cfg, switch, False)
+
     if callable(name_or_filter):
-        return [n for n in hook_dict if name_or_filter(n)]
+        return [n for n in hook_dict if name_or_filter(n) and not off(n)]
     name = canonical_name(name_or_filter)
+    if name in hook_dict and off(name):
+        raise ValueError(f"{name} fires only with cfg.{switch_of(name)} on, as in TransformerLens: call "
+                         f"model.set_{switch_of(name)}(True) first")
     if name in hook_dict:
         return [name]
     for pattern, why in _UNSUPPORTED.items():

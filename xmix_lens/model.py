@@ -9,6 +9,7 @@ One forward pass (`run_with_hooks`, `run_with_cache`, `model(...)`) is:
      hook functions kept.
 """
 import contextlib
+import dataclasses
 import functools
 import threading
 import warnings
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import attention_points, hook_points, stores, tl_surface
+from . import attention_points, computed_points, hook_points, stores, tl_surface
 from .app import App, AppRegistry, AppRun, RowGroup, attached, group_rows, merged, resident_reads, snapshot
 from .hook_points import HookPoint
 from .lower import lower
@@ -28,7 +29,8 @@ from .trace import TraceError, Tracer, as_parameters, hook_that_raised, traced_o
 
 HookFn = Callable[..., torch.Tensor | None]
 HookSpec = tuple[str | Callable[[str], bool], HookFn]
-_FINAL = "ln_final.hook_normalized"
+_FINAL = "unembed.hook_in"  # the final norm's output, read for the logits
+_UNEMBED_OUT = "unembed.hook_out"
 _LOGITS_KEY = ("logits", 0)
 
 
@@ -62,7 +64,7 @@ class HookedServedModel:
         self.hook_dict: dict[str, HookPoint] = hook_points.make_hook_dict(cfg.family, cfg.n_layers)
         self.mod_dict = self.hook_dict
         # per hook point, the per-token feature shape of its act ((d_model,), (n_heads, d_head), ...)
-        # (computed points, attention scores and patterns, have no per-token shape: attention_points.py)
+        # (computed points are not sites of the engine: computed_points.py)
         self.feature_shapes = {name: hook_points.feature_shape(name, cfg) for name in self.hook_dict
                                if not hook_points.is_computed(name)}
         self.app_registry = AppRegistry()  # installed apps and the default selection
@@ -70,6 +72,7 @@ class HookedServedModel:
         # vLLM's in-process engine serves one caller (see one_call_at_a_time)
         self.lock = threading.RLock()
         self.on_nonfinite = "raise"  # when hooks write NaN or inf: "raise", "warn" or "ignore"
+        self.processing = {flag: False for flag in tl_surface.PROCESSING_FLAGS}  # from_pretrained's flags
 
     # --- construction ---------------------------------------------------------------------------
     @classmethod
@@ -81,8 +84,12 @@ class HookedServedModel:
                         **engine_kwargs) -> "HookedServedModel":
         """Build an in-process vLLM engine for a local HF folder or an embedded model's name.
 
-        The engine serves the checkpoint's raw weights: TransformerLens's `from_pretrained_no_processing`
-        (its weight-processing flags fold_ln ... refactor_factored_attn_matrices are accepted when False).
+        By default the engine serves the checkpoint's raw weights, as TransformerLens's
+        `from_pretrained_no_processing` (TransformerLens's own from_pretrained folds and centres by
+        default). TransformerLens's weight-processing flags (fold_ln, center_writing_weights,
+        center_unembed, fold_value_biases, refactor_factored_attn_matrices) are applied by
+        TransformerLens's own code, once per model and flags, and the processed weights are served
+        (tl_surface.processed_folder); `model.tl` and the weights (`model.W_U` ...) are then the processed ones.
 
         `armed` is the set of hook points compiled into the engine ("all": a research engine,
         every hook point ready without a rebuild). torch.compile stays on unless enforce_eager, and
@@ -97,17 +104,13 @@ class HookedServedModel:
         processing = {"fold_ln": fold_ln, "center_writing_weights": center_writing_weights,
                       "center_unembed": center_unembed, "fold_value_biases": fold_value_biases,
                       "refactor_factored_attn_matrices": refactor_factored_attn_matrices}
-        if asked := [flag for flag, on in processing.items() if on]:
-            raise ValueError(f"{', '.join(asked)}: processed weights are not served yet (the engine serves the "
-                             f"checkpoint's raw weights, as TransformerLens's from_pretrained_no_processing does); "
-                             f"use HookedTransformer.from_pretrained_no_processing(...) (or leave these flags False) "
-                             f"and fold or centre in your analysis code where you need it")
         torch_dtype = _DTYPES.get(dtype) if isinstance(dtype, str) else dtype
         if torch_dtype not in _DTYPES.values():
             raise ValueError(f"dtype {dtype!r} is not supported; use one of {sorted(_DTYPES)}")
         if device not in (None, "cpu", "cuda") and not str(device).startswith("cuda"):
             raise ValueError(f"device {device!r}: use 'cpu' or 'cuda' (vLLM picks its platform itself)")
-        model_dir = resolve_model(name_or_path)
+        # TransformerLens's weight processing, done once per model and flags (a folder the engine serves)
+        model_dir = tl_surface.processed_folder(resolve_model(name_or_path), processing)
         hf = AutoConfig.from_pretrained(model_dir)
         arch = (hf.architectures or ["?"])[0]
         if arch not in _FAMILIES:
@@ -117,11 +120,12 @@ class HookedServedModel:
         cfg = tl_surface.bridge_config(hf, str(name_or_path), torch_dtype, tokenizer, family)
 
         model = cls(model_dir, cfg, tokenizer)
+        model.processing = processing  # the weight processing the served weights have had
         armed_names = armed if armed == "all" else [hook_points.canonical_name(n) for n in armed]
         # lowered now, resident while the engine builds its model: before CUDA-graph capture
         resident = [(app.name, model._lower_app(app.name, app.fwd_hooks, getattr(app, "params", None)).ops)
                     for app in apps]
-        model.engine = VllmEngine.build(model_dir, family, torch_dtype, cfg.n_heads,
+        model.engine = VllmEngine.build(model_dir, torch_dtype, cfg.n_heads,
                                         max_model_len or min(cfg.n_ctx, 2048), enforce_eager, armed_names, resident,
                                         cfg.d_vocab, **engine_kwargs)
         cfg.device = tl_surface.tl_device(model.engine.device)
@@ -132,8 +136,10 @@ class HookedServedModel:
 
     @classmethod
     def from_pretrained_no_processing(cls, name_or_path: str, **kwargs) -> "HookedServedModel":
-        """TransformerLens's from_pretrained_no_processing: the raw weights, which is what
-        from_pretrained serves anyway."""
+        """TransformerLens's from_pretrained_no_processing: the raw weights (from_pretrained's default)."""
+        if asked := sorted(flag for flag in tl_surface.PROCESSING_FLAGS if kwargs.get(flag)):
+            raise ValueError(f"from_pretrained_no_processing serves the raw weights; {', '.join(asked)} asks for "
+                             f"processed ones: use from_pretrained(..., {asked[0]}=True)")
         return cls.from_pretrained(name_or_path, **kwargs)
 
     def shutdown(self) -> None:
@@ -169,7 +175,7 @@ class HookedServedModel:
     W_out = tl_surface.tl_weight("W_out")
     b_in = tl_surface.tl_weight("b_in")
     b_out = tl_surface.tl_weight("b_out")
-    W_U = tl_surface.tl_weight("W_U")  # raw, as TransformerLens's; the engine's (norm folded in): engine.W_U
+    W_U = tl_surface.tl_weight("W_U")  # TransformerLens's (the engine's copy: engine.W_U)
     b_U = tl_surface.tl_weight("b_U")
 
     @functools.cached_property
@@ -371,7 +377,7 @@ class HookedServedModel:
     @one_call_at_a_time
     def add_hook(self, name, hook: HookFn, dir: str = "fwd", is_permanent: bool = False, level: int | None = None,
                  prepend: bool = False) -> None:
-        for n in hook_points.resolve(self.hook_dict, name):
+        for n in hook_points.resolve(self.hook_dict, name, self.cfg):
             self.hook_dict[n].add_hook(hook, dir=dir, is_permanent=is_permanent, level=level, prepend=prepend)
 
     def add_perma_hook(self, name, hook: HookFn, dir: str = "fwd") -> None:
@@ -383,7 +389,7 @@ class HookedServedModel:
         for hp in self.hook_dict.values():
             hp.remove_hooks(direction, including_permanent=including_permanent, level=level)
         if self._tl_hooks.added:  # model.tl keeps what the last call there added until now: the same hooks as ours
-            self._tl_hooks.sync(self.tl, self.hook_dict)
+            self._tl_hooks.sync(self.tl, self.hook_dict, self.cfg)
 
     @one_call_at_a_time
     def reset_hooks(self, clear_contexts: bool = True, direction: str = "both", including_permanent: bool = False,
@@ -403,7 +409,7 @@ class HookedServedModel:
         for spec in specs:
             if not (isinstance(spec, tuple) and len(spec) == 2 and callable(spec[1])):
                 raise ValueError(f"each {kind} is (name or filter, function); got {spec!r}")
-            resolved += [(n, spec[1]) for n in hook_points.resolve(self.hook_dict, spec[0])]
+            resolved += [(n, spec[1]) for n in hook_points.resolve(self.hook_dict, spec[0], self.cfg)]
         return resolved
 
     def _has_backward_hooks(self) -> bool:
@@ -464,18 +470,19 @@ class HookedServedModel:
 
     def _cache_names(self, names_filter) -> list[str]:
         if names_filter is None:
-            return list(self.hook_dict)
+            return hook_points.resolve(self.hook_dict, lambda name: True, self.cfg)
         if isinstance(names_filter, str):
-            return hook_points.resolve(self.hook_dict, names_filter)
+            return hook_points.resolve(self.hook_dict, names_filter, self.cfg)
         if callable(names_filter):
-            return hook_points.resolve(self.hook_dict, names_filter)
-        wanted = {n for spec in names_filter for n in hook_points.resolve(self.hook_dict, spec)}
+            return hook_points.resolve(self.hook_dict, names_filter, self.cfg)
+        wanted = {n for spec in names_filter for n in hook_points.resolve(self.hook_dict, spec, self.cfg)}
         return [n for n in self.hook_dict if n in wanted]
 
     @one_call_at_a_time
     def forward(self, input, return_type: str | None = "logits", prepend_bos: bool | None = None,
                 padding_side: str | None = None, attention_mask=None, loss_per_token: bool = False, apps=None,
-                start_at_layer: int | None = None, stop_at_layer: int | None = None):
+                start_at_layer: int | None = None, stop_at_layer: int | None = None, tokens=None,
+                shortformer_pos_embed=None):
         """One forward pass with the hooks on the hook points. With `apps` (names, or one list per
         row; or apps made active by `activate`), an AppRun: the result and what the apps read.
 
@@ -483,19 +490,24 @@ class HookedServedModel:
         (blocks.L.hook_resid_pre, before its hooks; at L = n_layers, after the last block, as
         HookedTransformer); no hook from there on runs. `start_at_layer=L`
         takes that residual [batch, pos, d_model] as the input and runs from block L; no hook
-        before it runs (TransformerLens's semantics). The engine still computes the whole pass.
+        before it runs (TransformerLens's semantics); `tokens` (as input_to_embed returns them) are
+        what return_type "loss" scores. The engine still computes the whole pass.
 
         While a hook point holds backward hooks (run_with_hooks(bwd_hooks=...), add_hook(dir="bwd")),
         the call runs in model.tl instead, TransformerLens's own model on the same weights (CPU,
         fp32), with every hook of the hook points (forward and backward), so that `.backward()` on
         the result runs the backward hooks; they stay on model.tl until hooks are next removed."""
+        if shortformer_pos_embed is not None:
+            raise ValueError(f"shortformer_pos_embed: this model adds no positional embedding at each attention "
+                             f"layer ({self.cfg.positional_embedding_type} positions); pass None, as input_to_embed "
+                             f"returns it")
         if self._has_backward_hooks():
             return self._forward_in_tl(input, apps, return_type=return_type, prepend_bos=prepend_bos,
                                        padding_side=padding_side, attention_mask=attention_mask,
                                        loss_per_token=loss_per_token, start_at_layer=start_at_layer,
-                                       stop_at_layer=stop_at_layer)
+                                       stop_at_layer=stop_at_layer, **({"tokens": tokens} if tokens is not None else {}))
         if start_at_layer is not None or stop_at_layer is not None:
-            return self._forward_between_layers(input, return_type, start_at_layer, stop_at_layer,
+            return self._forward_between_layers(input, return_type, start_at_layer, stop_at_layer, tokens,
                                                 prepend_bos=prepend_bos, padding_side=padding_side,
                                                 attention_mask=attention_mask, loss_per_token=loss_per_token,
                                                 apps=apps)
@@ -507,10 +519,10 @@ class HookedServedModel:
         if apps is not None:
             raise ValueError("apps run in the engine, but this call runs in model.tl because hook points hold "
                              "backward hooks; run the apps in a call without backward hooks")
-        self._tl_hooks.sync(self.tl, self.hook_dict)
+        self._tl_hooks.sync(self.tl, self.hook_dict, self.cfg)
         return self.tl.forward(input, **kwargs)
 
-    def _forward_between_layers(self, input, return_type, start_at_layer, stop_at_layer, **kwargs):
+    def _forward_between_layers(self, input, return_type, start_at_layer, stop_at_layer, tokens, **kwargs):
         """start_at_layer / stop_at_layer in the engine: the hook points outside [start, stop) are
         silenced for the call, a hook writes the given residual at blocks.start.hook_resid_pre, and
         one reads the residual at blocks.stop.hook_resid_pre."""
@@ -522,14 +534,18 @@ class HookedServedModel:
                 raise ValueError(f"start_at_layer takes the residual stream [batch, pos, d_model] entering block "
                                  f"{start} as input, got {type(input).__name__}: capture it with run_with_cache "
                                  f"(cache['blocks.{start}.hook_resid_pre']) or input_to_embed")
-            if return_type in ("loss", "both"):
+            if return_type in ("loss", "both") and tokens is None:
                 raise ValueError("start_at_layer with return_type 'loss' needs the tokens, which a residual input "
-                                 "does not carry: take return_type='logits' and compute the loss from them")
+                                 "does not carry: pass tokens= (input_to_embed returns them)")
             residual = (input[None] if input.dim() == 2 else input).to(self.cfg.dtype)
             first = names.index(f"blocks.{start}.hook_resid_pre")
-            # placeholder tokens: every position of every row is computed again under the written residual
+            if tokens is None:  # placeholders: every position of every row is computed again under the written residual
+                tokens = torch.full(residual.shape[:2], self.tokenizer.pad_token_id, dtype=torch.long)
+            elif not (isinstance(tokens, torch.Tensor) and tokens.shape[-1] == residual.shape[1]):
+                raise ValueError(f"tokens= must be the token ids [batch, pos] of the residual input "
+                                 f"{list(residual.shape)}, got {getattr(tokens, 'shape', type(tokens).__name__)}")
             # (a pass that writes per-token values gets fresh prefix-cache salts: backend/vllm/engine.py row_salts)
-            input = torch.full(residual.shape[:2], self.tokenizer.pad_token_id, dtype=torch.long)
+            input = tokens
         kept, keep_at = {}, None
         if stop_at_layer is not None:
             stop = _layer(stop_at_layer, n_layers, "stop_at_layer", n_layers)
@@ -599,30 +615,33 @@ class HookedServedModel:
         self._sync_resident(selection)
         groups = self._groups(selection, len(rows))
         computed = self._computed_hooks()
-        attention_reads: dict[str, torch.Tensor] = {}
+        source_reads: dict[str, torch.Tensor] = {}
         if computed and len(groups) > 1:
-            raise ValueError(f"hooks on {sorted(computed)} need one pass for the call; these rows select different "
+            raise ValueError(f"hooks on {list(computed)} need one pass for the call; these rows select different "
                              f"apps: use run_batch with one (input, fwd_hooks, apps) entry per app subset")
         plans = []
         for g in groups:
             traced = self._traced_apps(g)
-            with attached(self.hook_dict, traced), self.hooks(self._attention_reads(computed, attention_reads)):
+            with attached(self.hook_dict, traced), self.hooks(self._source_reads(computed, source_reads)):
                 # the whole batch's padded width, so that every group's logits and reads line up
                 prompt = self._trace_hooks(len(g.rows), tokens.shape[1])
-            if return_type is not None:
+            if return_type is not None or _UNEMBED_OUT in computed:
                 prompt.ops.setdefault(_FINAL, []).append(Read(_LOGITS_KEY, None, True, None, None, (self.cfg.d_model,)))
             g.outputs = snapshot(traced)
             plans.append(self._plan(g, rows, offsets, prompt))
 
         def finish(outcomes: list) -> object:
             if computed:
-                self._fire_computed(computed, attention_reads, offsets, [len(r) for r in rows], tokens.shape[1])
+                outcomes = self._fire_computed(computed, source_reads, plans, outcomes, offsets,
+                                               [len(r) for r in rows], tokens.shape[1])
             logits = None
-            if return_type is not None:
+            if return_type is not None or _UNEMBED_OUT in computed:
                 logits = torch.empty(tokens.shape + (self.cfg.d_vocab,))
                 for g, outcome in zip(groups, outcomes):
                     logits[g.rows] = self.engine.logits(outcome.results.result(_LOGITS_KEY))
-            result = logits
+            if _UNEMBED_OUT in computed:  # the logits are the call's result: changed here, on the host
+                logits = self._call_hooks(_UNEMBED_OUT, logits)
+            result = logits if return_type is not None else None
             if return_type in ("loss", "both"):
                 loss = _next_token_loss(logits, tokens, mask, loss_per_token)
                 result = loss if return_type == "loss" else (logits, loss)
@@ -721,43 +740,98 @@ class HookedServedModel:
             lines += [f"    {describe(op)}" for op in traced.ops.get(graph.hook_name, [])]
         return "\n".join(lines) if lines else "no hooks"
 
-    # --- computed hook points: attention scores and patterns (attention_points.py) ----------------
-    def _computed_hooks(self) -> dict[str, list[HookFn]]:
-        return {name: [h.hook for h in hp.fwd_hooks] for name, hp in self.hook_dict.items()
-                if hp.fwd_hooks and hook_points.is_computed(name)}
+    # --- computed hook points (computed_points.py) --------------------------------------------------
+    def set_use_attn_result(self, use_attn_result: bool) -> None:
+        """TransformerLens's switch for attn.hook_result, each head's share of attn_out."""
+        self.cfg.use_attn_result = use_attn_result
 
-    def _attention_reads(self, computed: dict, reads: dict) -> list[tuple[str, HookFn]]:
-        """Hooks that keep, into `reads`, the query and key of each layer with computed hooks, after
-        the user's hooks at those points (what attention used)."""
+    def set_use_split_qkv_input(self, use_split_qkv_input: bool) -> None:
+        """TransformerLens's switch for hook_q_input / hook_k_input / hook_v_input (not with use_attn_in)."""
+        if use_split_qkv_input and self.cfg.use_attn_in:
+            raise ValueError("use_split_qkv_input and use_attn_in are mutually exclusive, as in TransformerLens: "
+                             "call set_use_attn_in(False) first")
+        self.cfg.use_split_qkv_input = use_split_qkv_input
+
+    def set_use_attn_in(self, use_attn_in: bool) -> None:
+        """TransformerLens's switch for hook_attn_in (not with use_split_qkv_input)."""
+        if use_attn_in and self.cfg.use_split_qkv_input:
+            raise ValueError("use_attn_in and use_split_qkv_input are mutually exclusive, as in TransformerLens: "
+                             "call set_use_split_qkv_input(False) first")
+        self.cfg.use_attn_in = use_attn_in
+
+    def set_use_hook_mlp_in(self, use_hook_mlp_in: bool) -> None:
+        """TransformerLens's switch for hook_mlp_in, the residual the MLP branch reads."""
+        self.cfg.use_hook_mlp_in = use_hook_mlp_in
+
+    def _computed_hooks(self) -> dict[str, list[HookFn]]:
+        """Hooks on computed points, by name, in firing order (a point whose switch is off never fires)."""
+        return {name: [h.hook for h in hp.fwd_hooks] for name, hp in self.hook_dict.items()
+                if hp.fwd_hooks and hook_points.is_computed(name) and
+                (hook_points.switch_of(name) is None or getattr(self.cfg, hook_points.switch_of(name)))}
+
+    def _source_reads(self, computed: dict, reads: dict) -> list[tuple[str, HookFn]]:
+        """Hooks that keep, into `reads`, each engine hook point the computed points are computed from,
+        after the user's hooks there (what the model used)."""
         def keep(act, hook):
             reads[hook.name] = act.detach()
 
-        layers = sorted({self.hook_dict[name].layer() for name in computed})
-        return [(name, keep) for L in layers for name in attention_points.query_key_names(self.cfg.family, L)]
+        names = {f"blocks.{self.hook_dict[name].layer()}.{source}" for name in computed if name.startswith("blocks.")
+                 for source in computed_points.sources(name.split(".", 2)[2], self.cfg.family)}
+        return [(name, keep) for name in self.hook_dict if name in names]
 
-    def _fire_computed(self, computed: dict, reads: dict, offsets: list[int], lengths: list[int], P: int) -> None:
-        """Call the hooks on attention scores and patterns, in firing order, on the values the pass's
-        queries and keys give. A hook that changes them is refused: the engine's attention has already
-        run with the unchanged pattern (writes are not supported yet)."""
+    def _fire_computed(self, computed: dict, reads: dict, plans: list[PassPlan], outcomes: list,
+                       offsets: list[int], lengths: list[int], P: int) -> list:
+        """Call the hooks on the computed points of the blocks, in firing order, on the values the pass's
+        reads give. After a hook changes one, the pass runs again with what the change implies written
+        at engine hook points (computed_points.targets), so that later points see it. Returns the
+        outcomes of the last pass."""
         mask = attention_points.allowed(offsets, lengths, P)
-        for L in sorted({self.hook_dict[name].layer() for name in computed}):
-            q_name, k_name = attention_points.query_key_names(self.cfg.family, L)
-            scores = attention_points.scores_from(reads[q_name], reads[k_name], mask.to(reads[q_name].device))
-            scores = self._call_computed(f"blocks.{L}.attn.hook_attn_scores", scores.to(self.cfg.dtype))
-            self._call_computed(f"blocks.{L}.attn.hook_pattern",
-                                attention_points.pattern_from(scores).to(self.cfg.dtype))
+        blocks: dict[int, computed_points.Block] = {}
+        writes: dict[str, torch.Tensor] = {}
+        for name in self.hook_dict:
+            L = self.hook_dict[name].layer() if name.startswith("blocks.") else None
+            point = name.split(".", 2)[-1]
+            scores_hooked = point == "attn.hook_pattern" and f"blocks.{L}.attn.hook_attn_scores" in computed
+            if L is None or not (name in computed or scores_hooked):
+                continue
+            block = blocks.setdefault(L, computed_points.Block(
+                {}, functools.partial(lambda L: self.tl.blocks[L], L), self.cfg, mask))
+            block.reads = {n.split(".", 2)[2]: act for n, act in reads.items() if n.startswith(f"blocks.{L}.")}
+            act, used = computed_points.value(point, block)
+            act = self._call_hooks(name, act.clone())
+            computed_points.hooked(point, block, act)
+            if torch.equal(act, used):
+                continue
+            writes.update({f"blocks.{L}.{target}": value.to(self.cfg.dtype)
+                           for target, value in computed_points.targets(point, block, act).items()})
+            outcomes = self._run([self._with_writes(plan, writes) for plan in plans], again=True)  # refreshes `reads`
+        return outcomes
 
-    def _call_computed(self, name: str, act: torch.Tensor) -> torch.Tensor:
+    def _call_hooks(self, name: str, act: torch.Tensor) -> torch.Tensor:
+        """A computed point's hooks, called on its value as TransformerLens calls them (a returned
+        tensor replaces the act)."""
         hp = self.hook_dict[name]
-        before = act.clone()
         for handle in list(hp.fwd_hooks):
             out = handle.hook(act, hook=hp)
             act = act if out is None else out
-        if not torch.equal(act, before):
-            raise NotImplementedError(f"a hook on {name} changed it: writes to attention scores and patterns are "
-                                      f"not supported yet (the engine's fused attention has run with the unchanged "
-                                      f"pattern); read them here, and write hook_z, hook_rot_q/k or hook_attn_out")
         return act
+
+    def _with_writes(self, plan: PassPlan, writes: dict[str, torch.Tensor]) -> PassPlan:
+        """The plan with `writes` (hook point -> [batch, pos, ...] value) written at those hook points
+        before the ops already there."""
+        def writer(value):
+            def write(act, hook):
+                act[:] = value
+                return act
+            return write
+
+        extra = self._trace_hooks(len(plan.rows), plan.prompt.padded_len,
+                                  hooks={name: [writer(value)] for name, value in writes.items()},
+                                  phase="computed writes")
+        ops = dict(plan.prompt.ops)
+        for name, written in extra.ops.items():
+            ops[name] = written + ops.get(name, [])
+        return dataclasses.replace(plan, prompt=dataclasses.replace(plan.prompt, ops=ops))
 
     # --- tracing and running passes -----------------------------------------------------------------
     def _trace_hooks(self, B: int, P: int, inherited=None, phase: str = "prefill",
@@ -789,7 +863,7 @@ class HookedServedModel:
         hooks: dict[str, list[HookFn]] = {}
         for point, fn in self._check_hooks(fwd_hooks, ()):
             if hook_points.is_computed(point):
-                raise ValueError(f"app {name!r}: {point} is computed per call from the pass's queries and keys "
+                raise ValueError(f"app {name!r}: {point} is computed per call from the pass's reads "
                                  f"(xmix_lens/attention_points.py), so it cannot run inside the engine as an app; "
                                  f"run that hook with run_with_hooks")
             hooks.setdefault(point, []).append(fn)
@@ -827,15 +901,17 @@ class HookedServedModel:
         return PassPlan([rows[i] for i in g.rows], [offsets[i] for i in g.rows], prompt, decode, max_new_tokens,
                         sampling or {}, [resident] * len(g.rows) if resident else None, g.rows)
 
-    def _run(self, plans: list[PassPlan]) -> list:
+    def _run(self, plans: list[PassPlan], again: bool = False) -> list:
         """Run the passes in the engine; the proxies the hook functions kept become the values read
-        (for generated tokens: the last one's). Returns engine.PassOutcome per plan."""
+        (for generated tokens: the last one's). `again`: the plans ran before, so what the hooks kept
+        are values already, which take this run's. Returns engine.PassOutcome per plan."""
         if self.on_nonfinite not in ("raise", "warn", "ignore"):
             raise ValueError(f"model.on_nonfinite = {self.on_nonfinite!r}; use 'raise', 'warn' or 'ignore'")
         outcomes = self.engine.run(plans)
         for plan, outcome in zip(plans, outcomes):
             for key, proxy in plan.prompt.kept + (plan.decode.kept if plan.decode is not None else []):
-                torch.utils.swap_tensors(proxy, outcome.results.result(key).to(self.cfg.dtype))
+                value = outcome.results.result(key).to(self.cfg.dtype)
+                proxy.copy_(value) if again else torch.utils.swap_tensors(proxy, value)
         self._report_nonfinite(plans, outcomes)
         return outcomes
 

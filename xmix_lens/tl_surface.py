@@ -4,6 +4,8 @@ unchanged on it (API layer; the only module besides cache.py that imports transf
 - `bridge_config`: `model.cfg`, a `transformer_lens.config.TransformerBridgeConfig` built from the
   HF config by TransformerLens's own translation (no weights loaded), as `boot_transformers` builds it.
 - `load_tokenizer`: the tokenizer as TransformerLens sets it up (`encode` adds BOS where its does).
+- `processed_folder`: the model folder with TransformerLens's weight processing (fold_ln ...)
+  applied, as a Hugging Face folder the engine serves.
 - `boot_tl`: a TransformerBridge on the same weights, on the CPU in fp32, in compatibility mode
   without weight processing: `model.tl`, where the weights (`model.W_Q`, `model.blocks[0].attn.W_O`)
   and everything gradient-based (backward hooks, `.backward()`) come from.
@@ -15,10 +17,16 @@ Editing TL's weights (model.tl, model.W_U, ...) never changes what the engine se
 its own copy of the weights.
 """
 import copy
+import hashlib
+import json
+import shutil
+from pathlib import Path
 
 import torch
 
-from .hook_points import HookPoint, canonical_name
+from .model_files import _build_once, cache_dir
+
+from .hook_points import SWITCHED, HookPoint, canonical_name
 
 READ_ONLY = ("the served model's weights live in its vLLM engine: {what} is TransformerLens's copy (model.tl, on "
              "the CPU), and editing it would not change what the engine computes. Edit the activations with hooks "
@@ -68,6 +76,100 @@ def tl_device(device: torch.device) -> str:
     if device.type == "cuda" and device.index in (None, 0):
         return "cuda"
     return str(device)
+
+
+PROCESSING_FLAGS = ("fold_ln", "center_writing_weights", "center_unembed", "fold_value_biases",
+                    "refactor_factored_attn_matrices")
+
+
+def processed_folder(model_dir: Path, flags: dict[str, bool]) -> Path:
+    """`model_dir` with TransformerLens's weight processing (`flags`: PROCESSING_FLAGS) applied: a
+    Hugging Face folder in xmix-lens's cache, built once per folder and flags: TransformerLens's
+    bridge processes the weights, which are written back in the Hugging Face layout (`_hf_state`)
+    and checked to give the bridge's logits. model.tl, booted on the saved folder without
+    processing, then has exactly the served weights."""
+    flags = {flag: bool(flags.get(flag, False)) for flag in PROCESSING_FLAGS}  # TL's defaults are True
+    if not any(flags.values()):
+        return model_dir
+    files = sorted(p for p in model_dir.iterdir() if p.is_file())
+    digest = hashlib.sha256(json.dumps([str(model_dir.resolve()), sorted(flags.items()),
+                                        [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]]).encode())
+    target = cache_dir() / "processed" / f"{model_dir.name}-{digest.hexdigest()[:16]}"
+    return _build_once(target, lambda folder: _save_processed(model_dir, flags, folder))
+
+
+def _save_processed(model_dir: Path, flags: dict[str, bool], folder: Path) -> None:
+    from transformer_lens.model_bridge import TransformerBridge
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    bridge = TransformerBridge.boot_transformers(str(model_dir), device="cpu", dtype=torch.float32)
+    bridge.enable_compatibility_mode(disable_warnings=True, **flags)
+    config = AutoConfig.from_pretrained(model_dir)
+    state = _hf_state(bridge, config.model_type, flags)
+    # centring the unembedding changes it alone: a tied embedding is untied
+    config.tie_word_embeddings = torch.equal(state["lm_head.weight"], state[_EMBED[config.model_type]])
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model.load_state_dict(state)
+    probe = torch.arange(1, 9)[None]
+    with torch.no_grad():
+        expected = bridge(probe)
+        drift = float((model(probe).logits - expected).abs().max() / expected.abs().max())
+    if drift > 1e-4:
+        raise RuntimeError(f"the processed weights saved for {model_dir} give logits {drift:.2g} (relative) away "
+                           f"from TransformerLens's processed model; load without weight processing")
+    model.save_pretrained(folder)
+    for p in model_dir.iterdir():  # the tokenizer's files
+        if p.is_file() and p.name != "config.json" and p.suffix in (".json", ".txt", ".model", ".jinja"):
+            shutil.copy(p, folder / p.name)
+
+
+_EMBED = {"llama": "model.embed_tokens.weight", "gpt2": "transformer.wte.weight"}
+
+
+def _hf_state(bridge, model_type: str, flags: dict[str, bool]) -> dict[str, torch.Tensor]:
+    """TransformerLens's (processed) weights, W_Q [layer, head, d_model, d_head] and friends, as the
+    Hugging Face model's state dict. A bias the Hugging Face model has no place for must be zero."""
+    def zero_or_absent(name, t):
+        if t is not None and t.detach().abs().max() > 0:
+            raise ValueError(f"{', '.join(f for f, on in flags.items() if on)}: the processing gives a nonzero "
+                             f"{name}, which this architecture has no place for in the served model (folding "
+                             f"the final LayerNorm moves its bias into b_U); load with fold_ln=False")
+
+    def heads_out(W):  # [head, d_model, d_head] -> nn.Linear's [head * d_head, d_model]
+        return W.permute(0, 2, 1).reshape(-1, W.shape[1])
+
+    zero_or_absent("b_U", bridge.b_U)
+    state = {"lm_head.weight": bridge.W_U.T}
+    if model_type == "llama":
+        state.update({"model.embed_tokens.weight": bridge.W_E, "model.norm.weight": bridge.ln_final.w})
+        for L, block in enumerate(bridge.blocks):
+            a, m, p = block.attn, block.mlp, f"model.layers.{L}."
+            for name in ("b_Q", "b_K", "b_V", "b_O"):
+                zero_or_absent(name, getattr(a, name, None))
+            for name in ("b_in", "b_out"):
+                zero_or_absent(name, getattr(m, name, None))
+            state.update({p + "input_layernorm.weight": block.ln1.w, p + "post_attention_layernorm.weight": block.ln2.w,
+                          p + "self_attn.q_proj.weight": heads_out(a.W_Q), p + "self_attn.k_proj.weight": heads_out(a.W_K),
+                          p + "self_attn.v_proj.weight": heads_out(a.W_V),
+                          p + "self_attn.o_proj.weight": a.W_O.reshape(-1, a.W_O.shape[-1]).T,
+                          p + "mlp.gate_proj.weight": m.W_gate.T, p + "mlp.up_proj.weight": m.W_in.T,
+                          p + "mlp.down_proj.weight": m.W_out.T})
+    elif model_type == "gpt2":
+        state.update({"transformer.wte.weight": bridge.W_E, "transformer.wpe.weight": bridge.W_pos,
+                      "transformer.ln_f.weight": bridge.ln_final.w, "transformer.ln_f.bias": bridge.ln_final.b})
+        for L, block in enumerate(bridge.blocks):
+            a, m, p = block.attn, block.mlp, f"transformer.h.{L}."
+            state.update({p + "ln_1.weight": block.ln1.w, p + "ln_1.bias": block.ln1.b,
+                          p + "ln_2.weight": block.ln2.w, p + "ln_2.bias": block.ln2.b,
+                          # Conv1D layout [d_in, d_out]; c_attn's columns are q, k, v, each head after head
+                          p + "attn.c_attn.weight": torch.cat([heads_out(W).T for W in (a.W_Q, a.W_K, a.W_V)], 1),
+                          p + "attn.c_attn.bias": torch.cat([b.reshape(-1) for b in (a.b_Q, a.b_K, a.b_V)]),
+                          p + "attn.c_proj.weight": a.W_O.reshape(-1, a.W_O.shape[-1]), p + "attn.c_proj.bias": a.b_O,
+                          p + "mlp.c_fc.weight": m.W_in, p + "mlp.c_fc.bias": m.b_in,
+                          p + "mlp.c_proj.weight": m.W_out, p + "mlp.c_proj.bias": m.b_out})
+    else:
+        raise ValueError(f"weight processing for {model_type} models is not supported; load without it")
+    return {name: t.detach().float().contiguous() for name, t in state.items()}
 
 
 def boot_tl(model_dir):
@@ -141,15 +243,21 @@ class ComponentView:
 
 
 class HookMirror:
-    """The served model's hook functions (fwd and bwd), added to the same hook points of
-    TransformerLens's model for a call that runs there. They stay on it after the call, so that
+    """The served model's hook functions (fwd and bwd) and hook switches (set_use_attn_result ...),
+    put on TransformerLens's model for a call that runs there. They stay on it after the call, so that
     `.backward()` on its result runs the backward hooks; the next sync (or clear) removes them."""
 
     def __init__(self):
         self.added = []  # (TransformerLens HookPoint, its LensHandle) of what sync added
 
-    def sync(self, tl, hook_dict: dict[str, HookPoint]) -> None:
+    def sync(self, tl, hook_dict: dict[str, HookPoint], cfg) -> None:
         self.clear()
+        switches = sorted(set(SWITCHED.values()))  # set_use_attn_result ...: off first (two exclude each other)
+        for switch in switches:
+            getattr(tl, f"set_{switch}")(False)
+        for switch in switches:
+            if getattr(cfg, switch, False):
+                getattr(tl, f"set_{switch}")(True)
         tl_points = tl.hook_dict
         for name, point in hook_dict.items():
             for direction in ("fwd", "bwd"):

@@ -3,7 +3,7 @@
 The front end (xmix_lens/model.py) traces and lowers hooks into `PassPlan`s and calls this module
 for everything that touches vLLM: building the engine (armed sites, installed apps, tensor
 parallelism), running passes through vLLM's step loop with their prefix-cache salts, the
-unembedding that turns `ln_final.hook_normalized` into logits, and installing apps in the site
+unembedding that turns `unembed.hook_in` into logits, and installing apps in the site
 runtime. Under tensor parallelism the runtime is a `RemoteRuntime` (remote.py): the same calls,
 sent to the workers.
 """
@@ -33,12 +33,12 @@ class PassOutcome:
 class VllmEngine:
     def __init__(self, llm, runtime, unembed: tuple[torch.Tensor, torch.Tensor]):
         self.llm, self.runtime = llm, runtime
-        # ln_final.hook_normalized -> logits, the final norm's weight folded in; fp32 on the host
+        # unembed.hook_in (the final norm's output) -> logits: vLLM's lm_head, fp32 on the host
         self.W_U, self.b_U = unembed
         self.last_run_stats: dict = {}  # requests, prompt tokens and prefix-cache hits of the last run
 
     @classmethod
-    def build(cls, model_dir, family: str, dtype: torch.dtype, n_heads: int, max_model_len: int,
+    def build(cls, model_dir, dtype: torch.dtype, n_heads: int, max_model_len: int,
               enforce_eager: bool, armed, apps: list[tuple[str, dict]], d_vocab: int,
               **engine_kwargs) -> "VllmEngine":
         """An in-process vLLM engine with `armed` hook points compiled in ("all", or names) and
@@ -59,9 +59,9 @@ class VllmEngine:
                       additional_config={"xmix_lens": xmix_config}, **engine_kwargs)
         runner, runtime = adapter.bind(llm)
         if runner is not None:
-            unembed = unembedding(runner.model, family, d_vocab)
+            unembed = unembedding(runner.model, d_vocab)
         else:  # every rank takes part in gathering the vocabulary shards; rank 0's answer
-            unembed = llm.collective_rpc(remote.unembedding_of, args=(family, d_vocab))[0]
+            unembed = llm.collective_rpc(remote.unembedding_of, args=(d_vocab,))[0]
         return cls(llm, runtime, unembed)
 
     @property
@@ -154,7 +154,7 @@ class VllmEngine:
                 for results, pass_names in zip(finished, names)]
 
     def logits(self, normalized: torch.Tensor) -> torch.Tensor:
-        """Logits from a read of ln_final.hook_normalized (vLLM computes them only where it samples)."""
+        """Logits from a read of unembed.hook_in (vLLM computes them only where it samples)."""
         return normalized @ self.W_U + self.b_U
 
 

@@ -24,10 +24,10 @@ def on_runtime(worker, path: str, args: tuple | None):
         return False, e
 
 
-def unembedding_of(worker, family: str, d_vocab: int):
+def unembedding_of(worker, d_vocab: int):
     """Run in each worker: (W_U, b_U) on the host, the vocabulary gathered from every rank."""
     from .sites import unembedding
-    return unembedding(worker.model_runner.model, family, d_vocab)
+    return unembedding(worker.model_runner.model, d_vocab)
 
 
 class RemoteRuntime:

@@ -2,7 +2,7 @@
 
 vLLM's tensor parallelism (TP = world ranks) shards some sites' features and replicates others:
   replicated  residual stream, attention and MLP outputs, norms: every rank holds all F features
-  sharded     attn.hook_q/k/v/z, hook_rot_q/k (heads: rank r holds heads [r H/w, (r+1) H/w)), mlp.hook_pre and
+  sharded     attn.hook_q/k/v/z, hook_rot_q/k (heads: rank r holds heads [r H/w, (r+1) H/w)), mlp.hook_pre, hook_pre_linear and
               mlp.hook_post (features: rank r holds [r F/w, (r+1) F/w)); contiguous blocks of the
               flattened feature row either way
 At a replicated site every rank runs the op unchanged (writes land identically on every rank) and
@@ -33,7 +33,7 @@ from xmix_lens.ops import OPS
 from ..executor import Executor
 
 SHARDED_SITES = ("attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.hook_rot_q", "attn.hook_rot_k", "attn.hook_z",
-                 "mlp.hook_pre", "mlp.hook_post")
+                 "mlp.hook_pre", "mlp.hook_pre_linear", "mlp.hook_post")
 
 
 def is_sharded(hook_name: str) -> bool:

@@ -18,8 +18,9 @@ Each family is a table: (submodule path, placement, hook names). Placements:
   "norm" for vLLM's fused `norm(x, residual)`: materialise `x + residual`, run the
                   "sum" sites on it, compute its scale (TransformerLens's hook_scale, [tokens, 1])
                   and run the "scale" sites on it, normalise unfused by that scale, run the
-                  "normalized" sites on the result. Called without a residual (Llama's first
-                  layer), the sum is `x` itself.
+                  "normalized" sites on the result, then the "weighted" sites (optional group) on
+                  the norm's output (the final norm's: TransformerLens's unembed.hook_in). Called
+                  without a residual (Llama's first layer), the sum is `x` itself.
   "attention"     sites on the query and key that vLLM's attention layer receives, after the
                   rotary embedding (TransformerLens's hook_rot_q / hook_rot_k): on contiguous
                   copies, as q and k may be views of one qkv tensor (see site_op.py).
@@ -56,13 +57,15 @@ def _llama_table(n_layers: int) -> list[tuple[str, str, dict[str, list[str]]]]:
             (f"model.layers.{L}.post_attention_layernorm", "norm",
              {"sum": [f"blocks.{L}.hook_resid_mid"], "scale": [f"blocks.{L}.ln2.hook_scale"],
               "normalized": [f"blocks.{L}.ln2.hook_normalized"]}),
-            # the gate half of gate_up_proj's output, before SiluAndMul
-            (f"model.layers.{L}.mlp.gate_up_proj", "split", {"gate": [f"blocks.{L}.mlp.hook_pre"], "up": []}),
+            # gate_up_proj's output, before SiluAndMul: the gate half and the linear half
+            (f"model.layers.{L}.mlp.gate_up_proj", "split",
+             {"gate": [f"blocks.{L}.mlp.hook_pre"], "up": [f"blocks.{L}.mlp.hook_pre_linear"]}),
             (f"model.layers.{L}.mlp.down_proj", "before", {"in": [f"blocks.{L}.mlp.hook_post"]}),
             (f"model.layers.{L}.mlp", "after", {"out": [f"blocks.{L}.hook_mlp_out"]}),
         ]
     table.append(("model.norm", "norm", {"sum": [f"blocks.{n_layers - 1}.hook_resid_post"],
-                                         "scale": ["ln_final.hook_scale"], "normalized": ["ln_final.hook_normalized"]}))
+                                         "scale": ["ln_final.hook_scale"], "normalized": ["ln_final.hook_normalized"],
+                                         "weighted": ["unembed.hook_in"]}))
     return table
 
 
@@ -89,8 +92,8 @@ def _gpt2_table(n_layers: int) -> list[tuple[str, str, dict[str, list[str]]]]:
             (f"{block}.mlp", "after", {"out": [f"blocks.{L}.hook_mlp_out"]}),
             (block, "after", {"out": [f"blocks.{L}.hook_resid_post"]}),
         ]
-    table.append(("transformer.ln_f", "norm",
-                  {"sum": [], "scale": ["ln_final.hook_scale"], "normalized": ["ln_final.hook_normalized"]}))
+    table.append(("transformer.ln_f", "norm", {"sum": [], "scale": ["ln_final.hook_scale"],
+                                               "normalized": ["ln_final.hook_normalized"], "weighted": ["unembed.hook_in"]}))
     return table
 
 
@@ -169,7 +172,8 @@ def _weighted(norm: nn.Module, normalized: torch.Tensor) -> torch.Tensor:
     return out + norm.bias if getattr(norm, "bias", None) is not None else out
 
 
-def _wrap_norm(norm: nn.Module, sum_ids: list[int], scale_ids: list[int], normalized_ids: list[int]) -> None:
+def _wrap_norm(norm: nn.Module, sum_ids: list[int], scale_ids: list[int], normalized_ids: list[int],
+               weighted_ids: list[int]) -> None:
     inner = norm.forward
 
     def forward(x, residual=None):
@@ -184,6 +188,7 @@ def _wrap_norm(norm: nn.Module, sum_ids: list[int], scale_ids: list[int], normal
             out = _weighted(norm, normalized)
         else:
             out = inner(resid)
+        _run_sites(out, weighted_ids)
         return out if residual is None else (out, resid)
 
     norm.forward = forward
@@ -219,7 +224,7 @@ def install_sites(model: nn.Module, family: str, n_layers: int, armed: set[str])
     for path, placement, groups in table:
         module = model.get_submodule(path)
         if placement == "norm":
-            ids = [armed_ids(groups[part]) for part in ("sum", "scale", "normalized")]
+            ids = [armed_ids(groups.get(part, [])) for part in ("sum", "scale", "normalized", "weighted")]
             if any(ids):
                 _wrap_norm(module, *ids)
         elif placement == "attention":
@@ -235,23 +240,17 @@ def install_sites(model: nn.Module, family: str, n_layers: int, armed: set[str])
     return names
 
 
-FINAL_NORM = {"llama": "model.norm", "gpt2": "transformer.ln_f"}
 
+def unembedding(model: nn.Module, d_vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(W_U [d_model, d_vocab], b_U [d_vocab]) that map unembed.hook_in (the final norm's output) to
+    logits, in fp32: vLLM's lm_head.
 
-def unembedding(model: nn.Module, family: str, d_vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(W_U [d_model, d_vocab], b_U [d_vocab]) that map ln_final.hook_normalized to logits, in fp32.
-
-    hook_normalized is the final norm before its weight (and bias), so they are folded in here.
     Under TP the vocabulary is split over ranks: every rank must call this (a collective).
     """
     from vllm.distributed import get_tensor_model_parallel_world_size, tensor_model_parallel_all_gather
 
-    norm = model.get_submodule(FINAL_NORM[family])
-    W = model.lm_head.weight.detach()
+    W, b = model.lm_head.weight.detach(), getattr(model.lm_head, "bias", None)
+    b = torch.zeros(W.shape[0], dtype=W.dtype, device=W.device) if b is None else b.detach()
     if get_tensor_model_parallel_world_size() > 1:  # vocabulary shards, in rank order: every rank calls this
-        W = tensor_model_parallel_all_gather(W, dim=0)
-    W = W[:d_vocab].float().T
-    w = norm.weight.detach().float()
-    b = getattr(norm, "bias", None)
-    b_U = b.detach().float() @ W if b is not None else torch.zeros(d_vocab)
-    return (w[:, None] * W).cpu().contiguous(), b_U.cpu()
+        W, b = tensor_model_parallel_all_gather(W, dim=0), tensor_model_parallel_all_gather(b, dim=0)
+    return W[:d_vocab].float().T.cpu().contiguous(), b[:d_vocab].float().cpu()

@@ -128,3 +128,31 @@ def test_switched_points_read_as_transformer_lens(model, served, reference, tole
         assert (ours[name] - theirs[name]).abs()[real].max() <= cache_bound(theirs[name], real, tol), name
     query = real[:, None, :, None].expand_as(theirs[names[2]])
     assert (ours[names[2]] - theirs[names[2]]).abs()[query].max() <= cache_bound(theirs[names[2]], query, tol)
+
+
+def test_patterns_in_generate_as_hooked_transformer(served, reference, tolerance):
+    """In generate, hook_pattern fires as with HookedTransformer's KV cache: on the prompt [batch,
+    head, P, P], then per token fed back [batch, head, 1, keys so far]. The oracle: TransformerLens's
+    pattern over the whole generated sequence (causal: each row is what that step computed)."""
+    xl, tl = served["tiny-llama"], reference["tiny-llama"]
+    _, tol = tolerance("tiny-llama")
+    prompts, name, n_new = ["Hello World!", "Hi"], "blocks.1.attn.hook_pattern", 4
+    seen = []
+    xl.generate(prompts, max_new_tokens=n_new, do_sample=False, padding_side="left",
+                fwd_hooks=[(name, lambda pattern, hook: seen.append(pattern.clone()))])
+    tokens = xl.generate(prompts, max_new_tokens=n_new, do_sample=False, padding_side="left", return_type="tokens")
+    P = xl.to_tokens(prompts, padding_side="left").shape[1]
+    assert [p.shape[-2:] for p in seen] == [(P, P)] + [(1, P + j + 1) for j in range(n_new - 1)]
+    # the sequences the steps computed, left-padded as TransformerLens's generate pads them
+    sequence = torch.full((len(prompts), P + n_new - 1), xl.tokenizer.pad_token_id)
+    mask = torch.zeros_like(sequence)
+    for b, prompt in enumerate(prompts):
+        n = len(xl.to_tokens(prompt)[0]) + n_new - 1  # generate returns each row's prompt then its new tokens
+        sequence[b, -n:], mask[b, -n:] = tokens[b, :n], 1
+    _, theirs = tl.run_with_cache(sequence, names_filter=[name], attention_mask=mask)
+    full = theirs[name]
+    real = mask.bool()
+    query = real[:, None, :P, None].expand(-1, full.shape[1], -1, P)
+    assert (seen[0] - full[:, :, :P, :P]).abs()[query].max() <= tol
+    for j, step in enumerate(seen[1:]):
+        assert (step[:, :, 0] - full[:, :, P + j, : P + j + 1]).abs().max() <= tol

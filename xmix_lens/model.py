@@ -11,14 +11,16 @@ One forward pass (`run_with_hooks`, `run_with_cache`, `model(...)`) is:
 import contextlib
 import dataclasses
 import functools
+import os
 import threading
 import warnings
+from pathlib import Path
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from . import attention_points, computed_points, hook_points, stores, tl_surface
+from . import app_config, attention_points, computed_points, hook_points, stores, tl_surface
 from .app import App, AppRegistry, AppRun, RowGroup, attached, group_rows, merged, resident_reads, snapshot
 from .hook_points import HookPoint
 from .lower import lower
@@ -81,7 +83,7 @@ class HookedServedModel:
                         armed: str | Sequence[str] = "all", apps: Sequence = (), fold_ln: bool = False,
                         center_writing_weights: bool = False, center_unembed: bool = False,
                         fold_value_biases: bool = False, refactor_factored_attn_matrices: bool = False,
-                        **engine_kwargs) -> "HookedServedModel":
+                        config: str | None = None, **engine_kwargs) -> "HookedServedModel":
         """Build an in-process vLLM engine for a local HF folder or an embedded model's name.
 
         By default the engine serves the checkpoint's raw weights, as TransformerLens's
@@ -95,10 +97,12 @@ class HookedServedModel:
         every hook point ready without a rebuild). torch.compile stays on unless enforce_eager, and
         so do CUDA graphs on a GPU. `apps` (xmix_lens.App, or objects with `name` and `fwd_hooks`)
         are installed as the engine is built, so that its CUDA graphs contain them (see
-        backend/vllm/control.py).
+        backend/vllm/control.py); so are the apps of `config`, an app config folder (`export`),
+        checked against this model before the engine starts.
         """
         from transformers import AutoConfig
 
+        _in_process_environment()
         from .backend.vllm.engine import VllmEngine
 
         processing = {"fold_ln": fold_ln, "center_writing_weights": center_writing_weights,
@@ -122,12 +126,15 @@ class HookedServedModel:
         model = cls(model_dir, cfg, tokenizer)
         model.processing = processing  # the weight processing the served weights have had
         armed_names = armed if armed == "all" else [hook_points.canonical_name(n) for n in armed]
+        configured = app_config.read(config, model_dir) if config is not None else []
         # lowered now, resident while the engine builds its model: before CUDA-graph capture
-        resident = [(app.name, model._lower_app(app.name, app.fwd_hooks, getattr(app, "params", None)).ops)
-                    for app in apps]
+        resident = [(spec.name, ops) for spec, ops in configured]
+        resident += [(app.name, model._lower_app(app.name, app.fwd_hooks, getattr(app, "params", None)).ops)
+                     for app in apps]
         model.engine = VllmEngine.build(model_dir, torch_dtype, cfg.n_heads,
                                         max_model_len or min(cfg.n_ctx, 2048), enforce_eager, armed_names, resident,
                                         cfg.d_vocab, **engine_kwargs)
+        model._install_configured(configured)
         cfg.device = tl_surface.tl_device(model.engine.device)
         for app in apps:  # xmix_lens.App objects join the model's registry too (selectable by apps=)
             if isinstance(app, App):
@@ -1044,23 +1051,63 @@ class HookedServedModel:
         reads in app.outputs; otherwise it stays traced per call. An engine out of room for them
         is an error (backend/vllm/control.py), never a silent fall-back to per-call hooks."""
         try:
-            traced = self._lower_app(app.name, app.fwd_hooks, app.params)
-            names = {id(value): key for key, value in app.outputs.items()}
-        except (TraceError, ValueError, NotImplementedError):
-            return  # its hooks need a pass's shape (positions, stores) or a parameter's value: per call
-        finally:
-            app.outputs.clear()
-        if any(id(proxy) not in names for _, proxy in traced.kept):
-            return  # it keeps values elsewhere than in app.outputs: only a traced pass returns them
-        if self.engine.why_not_resident(app.name, traced.ops) is not None:
-            return  # not per token: traced per call
+            traced, reads = self._resident_form(app)
+        except ValueError:
+            return  # its hooks need a pass's shape (positions, stores) or keep values elsewhere: per call
         self.engine.install_app(app.name, traced.ops)
         reg = self.app_registry
-        reg.resident[app.name] = {key: (names[id(proxy)], tuple(proxy.shape[2:])) for key, proxy in traced.kept}
+        reg.resident[app.name] = reads
         reg.graphs[app.name] = traced.graphs
         reg.lowered_versions[app.name] = app.param_versions()
 
     @one_call_at_a_time
+    def _resident_form(self, app: App) -> tuple[PhaseOps, dict]:
+        """The app as the engine keeps it resident: its hooks lowered for one token, and its reads
+        {read key: (output name, per-token feature shape)}. A ValueError says why it cannot be (its
+        hooks select positions, use stores or per-token tables, or keep values outside app.outputs)."""
+        try:
+            traced = self._lower_app(app.name, app.fwd_hooks, app.params)
+            names = {id(value): key for key, value in app.outputs.items()}
+        except (TraceError, NotImplementedError) as e:
+            raise ValueError(f"app {app.name!r} is not per token: {e}") from e
+        finally:
+            app.outputs.clear()
+        if any(id(proxy) not in names for _, proxy in traced.kept):
+            raise ValueError(f"app {app.name!r} keeps values elsewhere than in app.outputs (a closure, a global): "
+                             f"only a traced pass can return them; keep its reads in app.outputs[...]")
+        if (why := self.engine.why_not_resident(app.name, traced.ops)) is not None:
+            raise ValueError(why)
+        return traced, {key: (names[id(proxy)], tuple(proxy.shape[2:])) for key, proxy in traced.kept}
+
+    def export(self, apps, path) -> Path:
+        """Write `apps` (App objects or names of installed apps) as an app config folder that a
+        server loads (`vllm serve ... --additional-config '{"xmix_lens": {"config": path}}'`) and
+        `from_pretrained(..., config=path)` installs: their lowered ops and reads, no Python
+        (xmix_lens/app_config.py). Only resident apps (per token) can be exported: another is refused
+        with the reason."""
+        forms = []
+        for app in apps:
+            if isinstance(app, str):
+                self.app_registry.check_names([app], "export")
+                app = self.app_registry.apps[app]
+            traced, reads = self._resident_form(app)
+            forms.append((app.name, app.version, app.description, traced.ops, reads))
+        return app_config.write(path, self.model_dir, forms)
+
+    def _install_configured(self, loaded: list) -> None:
+        """Apps from a config (app_config.read), resident in the engine since it was built: in the
+        registry under their names, with no hooks and no parameters (their tensors are in their ops)."""
+        reg = self.app_registry
+        for spec, ops in loaded:
+            if spec.name in reg.apps:
+                raise ValueError(f"app {spec.name!r} is in the config and in apps=; give one of them another name")
+            app = App(spec.name, version=spec.version, description=spec.description)
+            self.engine.install_app(spec.name, ops)
+            reg.apps[spec.name] = app
+            reg.resident[spec.name] = {r.key: (r.output, tuple(r.feature_shape)) for r in spec.reads}
+            reg.lowered_versions[spec.name], reg.graphs[spec.name] = (), []
+            app.installed_in.append(self)
+
     def uninstall(self, name: str) -> App:
         reg = self.app_registry
         reg.check_names([name], "uninstall")
@@ -1165,6 +1212,23 @@ class _Call:
 
     plans: list[PassPlan]
     finish: Callable
+
+
+# vLLM reads these (lazily) when an engine is made: the in-process engine (the model object and the
+# site runtime live in this process), and a KV-cache size that fits a CPU machine (without it vLLM's
+# CPU platform sizes the cache from the NUMA node and fails). Set for the in-process engine only, not
+# at import: a `vllm serve` that loads xmix-lens as a plugin keeps its own settings.
+IN_PROCESS_ENVIRONMENT = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+
+
+def _in_process_environment() -> None:
+    for name, value in IN_PROCESS_ENVIRONMENT.items():
+        os.environ.setdefault(name, value)
+
+
+def export(apps, path, model: HookedServedModel) -> Path:
+    """Write `apps` as an app config folder for `model` (HookedServedModel.export)."""
+    return model.export(apps, path)
 
 
 def _writing(plans: list[PassPlan]) -> set[str]:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from xmix_lens import app_config
 from xmix_lens.lowered import AffineWrite, GeneratedWrite, op_digest
 from xmix_lens.passes import PassPlan
 
@@ -51,9 +52,9 @@ class VllmEngine:
             control.check_resident(name, ops)
         xmix_config = {"armed": armed}
         with tempfile.TemporaryDirectory(prefix="xmix-apps-") as folder:
-            if apps:  # a file: a TP engine builds its model (and installs them) in worker processes
-                xmix_config["apps_file"] = os.path.join(folder, "apps.pt")
-                torch.save(apps, xmix_config["apps_file"])
+            if apps:  # an app config, as `vllm serve` loads one: a TP engine builds its model in worker processes
+                xmix_config["config"] = str(app_config.write(os.path.join(folder, "config"), model_dir,
+                                                            [(name, 0, "", ops, {}) for name, ops in apps]))
             llm = LLM(model=str(model_dir), dtype=str(dtype).removeprefix("torch."), enforce_eager=enforce_eager,
                       max_model_len=max_model_len, skip_tokenizer_init=True,
                       additional_config={"xmix_lens": xmix_config}, **engine_kwargs)

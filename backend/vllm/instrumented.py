@@ -3,23 +3,28 @@
 Each subclass builds vLLM's model unchanged, then installs the armed sites (see sites.py) and
 tells the site runtime where each token of a step belongs before the forward runs. Which sites
 are armed comes from the engine's `additional_config={"xmix_lens": {"armed": [...] | "all"}}`;
-with no such entry nothing is armed and the model runs as vLLM's own. `"apps_file"` names lowered
-apps to install as the model is built (before CUDA-graph capture), written by the driver: a file,
-because a TP engine builds its model in worker processes.
+with no such entry nothing is armed and the model runs as vLLM's own. `"config"` names an app
+config folder (xmix_lens/app_config.py) whose apps are installed as the model is built (before
+CUDA-graph capture), their hook points armed: how `vllm serve` gets them, and how the in-process
+engine hands its apps to TP workers.
 """
 import math
 
 import torch
 from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+from vllm.logger import init_logger
 from vllm.model_executor.models.gpt2 import GPT2LMHeadModel
 from vllm.model_executor.models.llama import LlamaForCausalLM
 
+from xmix_lens import app_config
 from xmix_lens.hook_points import feature_shape, hook_names
 
 from . import adapter
 from .runtime import SiteRuntime
 from .sharding import is_sharded
 from .sites import install_sites
+
+logger = init_logger("vllm.xmix_lens")  # under "vllm": vLLM's log handler prints it with its own lines
 
 
 def _xmix_config(vllm_config) -> dict:
@@ -31,6 +36,17 @@ def armed_sites(vllm_config, family: str, n_layers: int) -> set[str]:
     armed = _xmix_config(vllm_config).get("armed", [])
     every = hook_names(family, n_layers)
     return set(every) if armed == "all" else set(armed) & set(every)
+
+
+def configured_apps(vllm_config) -> list[tuple[str, dict]]:
+    """(name, ops by hook point) of the apps in the engine's app config, checked against its model."""
+    folder = _xmix_config(vllm_config).get("config")
+    if folder is None:
+        return []
+    apps = [(spec.name, ops) for spec, ops in app_config.read(folder, vllm_config.model_config.model)]
+    logger.info("xmix-lens: installing apps %s from %s at %s", [name for name, _ in apps], folder,
+                sorted({point for _, ops in apps for point in ops}))
+    return apps
 
 
 def _max_step_tokens(vllm_config) -> int:
@@ -54,10 +70,9 @@ class _Instrumented:
     def _install(self, vllm_config) -> None:
         hf_config = vllm_config.model_config.hf_config
         n_layers = hf_config.num_hidden_layers
-        armed = armed_sites(vllm_config, self.family, n_layers)
+        apps = configured_apps(vllm_config)
+        armed = armed_sites(vllm_config, self.family, n_layers) | {point for _, ops in apps for point in ops}
         names = install_sites(self, self.family, n_layers, armed)
-        apps_file = _xmix_config(vllm_config).get("apps_file")
-        apps = torch.load(apps_file, weights_only=False) if apps_file else []
         world = get_tensor_model_parallel_world_size()
         self.xmix_runtime = SiteRuntime(self.family, names, armed, torch.device(vllm_config.device_config.device),
                                         _max_step_tokens(vllm_config), apps, get_tensor_model_parallel_rank(),

@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import xmix_lens  # noqa: F401  (sets vLLM's environment before vLLM is imported)
+import xmix_lens  # noqa: F401  (its from_pretrained sets vLLM's environment for the in-process engine)
 from gpu_results import Results
 from xmix_lens import HookedServedModel
 from xmix_lens.passes import PassPlan

@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the CPU test's cases
 sys.path.insert(1, str(Path(__file__).resolve().parents[2]))  # the root: tests.tiny_models
 
-import xmix_lens  # noqa: E402,F401  (sets vLLM's environment before vLLM is imported)
+import xmix_lens  # noqa: E402,F401  (its from_pretrained sets vLLM's environment for the in-process engine)
 from test_tensor_parallel import PROMPTS, Hooks, _apps, _zero_head  # noqa: E402
 
 CACHE_NAMES = ["blocks.0.attn.hook_q", "blocks.0.attn.hook_k", "blocks.1.attn.hook_v", "blocks.1.attn.hook_z",

@@ -1,0 +1,163 @@
+"""App configs (xmix_lens/app_config.py): export -> load -> install gives the original apps' results
+bit for bit, and every kind of bad config is refused before an engine starts, naming the app, the
+field and the fix."""
+import json
+import pickle
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.tiny_models import tiny_gpt2, tiny_llama
+from xmix_lens import App, HookedServedModel, app_config
+
+PROMPTS = ["Hello World! How are you", "Hi"]
+
+
+def make_apps(d_model: int) -> list[App]:
+    """A steering write, a per-token probe read, and a generated (nonlinear) gate."""
+    g = torch.Generator().manual_seed(0)
+    v, d = torch.randn(d_model, generator=g), torch.randn(d_model, generator=g)
+    d = d / d.norm()
+    probe = App("probe")
+
+    def score(act, hook):
+        probe.outputs["score"] = act @ d
+
+    probe.fwd_hooks = [("blocks.1.hook_resid_post", score)]
+    return [App("steer", fwd_hooks=[("blocks.0.hook_resid_post", lambda act, hook: act + v)], params={"v": v}),
+            probe,
+            App("gate", fwd_hooks=[("blocks.1.hook_resid_pre",
+                                    lambda act, hook: act + torch.relu(act @ d)[..., None] * v)])]
+
+
+@pytest.fixture(scope="module")
+def exported(served, tmp_path_factory):
+    """The apps installed in the session's tiny Llama, their results there, and their config."""
+    model = served["tiny-llama"]
+    apps = make_apps(model.cfg.d_model)
+    for app in apps:
+        model.install(app)
+    try:
+        names = [app.name for app in apps]
+        results = (model.run_with_hooks(PROMPTS, apps=names),
+                   model.generate(PROMPTS, max_new_tokens=5, do_sample=False, apps=["steer", "gate"]))
+        folder = model.export(names, tmp_path_factory.mktemp("config") / "apps")
+    finally:
+        for app in apps:
+            model.uninstall(app.name)
+    return results, folder
+
+
+def test_export_load_install_is_bit_identical(exported):
+    (forward, generated), folder = exported
+    model = HookedServedModel.from_pretrained(str(tiny_llama()), max_model_len=256, config=str(folder))
+    try:
+        assert set(model.app_registry.resident) == {"steer", "probe", "gate"}
+        out = model.run_with_hooks(PROMPTS, apps=["steer", "probe", "gate"])
+        assert torch.equal(out.result, forward.result)
+        assert torch.equal(out.outputs["probe"]["score"], forward.outputs["probe"]["score"])
+        assert model.generate(PROMPTS, max_new_tokens=5, do_sample=False, apps=["steer", "gate"]).result \
+            == generated.result
+        assert not torch.equal(model(PROMPTS), forward.result)  # the apps did something
+    finally:
+        model.shutdown()
+
+
+def test_the_folder_holds_json_and_safetensors_only(exported):
+    _, folder = exported
+    assert sorted(p.name for p in folder.iterdir()) == ["gate.safetensors", "manifest.json", "probe.safetensors",
+                                                      "steer.safetensors"]
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["schema_version"] == app_config.SCHEMA_VERSION
+    assert [a["name"] for a in manifest["apps"]] == ["steer", "probe", "gate"]
+
+
+def test_export_refuses_an_app_that_cannot_be_resident(served, tmp_path):
+    model = served["tiny-llama"]
+    def double_last(act, hook):
+        act[:, -1] *= 2.0
+        return act
+
+    last_token = App("last", fwd_hooks=[("blocks.0.hook_resid_post", double_last)])
+    with pytest.raises(ValueError, match="selects positions"):
+        model.export([last_token], tmp_path / "x")
+
+
+# --- bad configs: refused by app_config.read, before any engine starts ---------------------------
+@pytest.fixture
+def copy(exported, tmp_path):
+    _, folder = exported
+    target = tmp_path / "apps"
+    target.mkdir()
+    for p in folder.iterdir():
+        (target / p.name).write_bytes(p.read_bytes())
+    return target
+
+
+def edit_manifest(folder, change):
+    manifest = json.loads((folder / "manifest.json").read_text())
+    change(manifest)
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_config_for_another_model(copy):
+    with pytest.raises(app_config.ConfigError, match=r"another model: model.architecture .*export them again"):
+        app_config.read(copy, tiny_gpt2())
+
+
+def test_unknown_op_kind(copy):
+    edit_manifest(copy, lambda m: m["apps"][0]["ops"]["blocks.0.hook_resid_post"][0].update(kind="exec"))
+    with pytest.raises(app_config.ConfigError, match=r"apps\[0\]\.ops\.blocks\.0\.hook_resid_post\[0\]"):
+        app_config.read(copy, tiny_llama())
+
+
+def test_unknown_program_op(copy):
+    def change(m):
+        program = m["apps"][2]["ops"]["blocks.1.hook_resid_pre"][0]["program"]
+        program["ops"][0]["op"] = "system"
+    edit_manifest(copy, change)
+    with pytest.raises(app_config.ConfigError, match=r"apps\[2\]\.ops.*program\.ops\[0\]\.op"):
+        app_config.read(copy, tiny_llama())
+
+
+def test_wrong_shape(copy):
+    tensors = load_file(copy / "steer.safetensors")
+    name = next(k for k in tensors if k.endswith(".bias"))
+    tensors[name] = torch.zeros(7)
+    save_file(tensors, copy / "steer.safetensors")
+    with pytest.raises(app_config.ConfigError, match=rf"app 'steer': .*bias \({name}\) has shape \[7\]"):
+        app_config.read(copy, tiny_llama())
+
+
+def test_missing_tensor(copy):
+    tensors = load_file(copy / "steer.safetensors")
+    name = next(k for k in tensors if k.endswith(".V"))
+    del tensors[name]
+    save_file(tensors, copy / "steer.safetensors")
+    with pytest.raises(app_config.ConfigError, match=rf"app 'steer': .*names tensor '{name}', which is not in"):
+        app_config.read(copy, tiny_llama())
+
+
+def test_missing_tensor_file(copy):
+    (copy / "probe.safetensors").unlink()
+    with pytest.raises(app_config.ConfigError, match="app 'probe': probe.safetensors is missing"):
+        app_config.read(copy, tiny_llama())
+
+
+def test_pickle_file_in_the_folder(copy):
+    (copy / "extra.pkl").write_bytes(pickle.dumps({"x": 1}))
+    with pytest.raises(app_config.ConfigError, match="extra.pkl is not part of the config.*no pickles"):
+        app_config.read(copy, tiny_llama())
+
+
+def test_unknown_hook_point(copy):
+    edit_manifest(copy, lambda m: m["apps"][0]["ops"].update({"blocks.9.hook_resid_post": []}))
+    with pytest.raises(app_config.ConfigError, match=r"app 'steer': ops.blocks.9.hook_resid_post: not a hook point"):
+        app_config.read(copy, tiny_llama())
+
+
+def test_engine_refuses_a_bad_config_before_starting(copy):
+    (copy / "extra.pkl").write_bytes(b"")
+    with pytest.raises(app_config.ConfigError, match="extra.pkl"):
+        HookedServedModel.from_pretrained(str(tiny_llama()), max_model_len=256, config=str(copy))

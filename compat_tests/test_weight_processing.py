@@ -1,39 +1,41 @@
 """TransformerLens's weight processing (from_pretrained(fold_ln=True, ...)): the engine serves the
 weights TransformerLens's own processing makes (tl_surface.processed_folder), checked against
 TransformerLens's bridge with the same processing on the same checkpoint: logits, activations,
-weights."""
+weights. Two cases: the tiny Llama with HookedTransformer.from_pretrained's default flags
+(refactor_factored_attn_matrices, which TransformerLens refuses for rotary models, left out), and
+the tiny GPT-2 with every flag but fold_ln (refused for GPT-2: test_model_surface.py)."""
 import pytest
 import torch
 
 from compare import PROMPTS, real_mask
 from compat_tests.reference import TLReference
-from tests.tiny_models import tiny_llama
+from tests.tiny_models import tiny_gpt2, tiny_llama
 
 ATOL = 1e-3  # engine (vLLM, fp32) against TransformerLens (HF eager, fp32) on the tiny models
+CASES = {
+    "tiny-llama": (tiny_llama, {"fold_ln": True, "center_writing_weights": True, "center_unembed": True,
+                                "fold_value_biases": True}),
+    "tiny-gpt2": (tiny_gpt2, {"center_writing_weights": True, "center_unembed": True, "fold_value_biases": True,
+                              "refactor_factored_attn_matrices": True}),
+}
 
 
-@pytest.fixture(scope="module")  # eager: processing changes the weights, not the compiled path; shut down after
-def processed_llama():
-    """The tiny Llama with TransformerLens's default processing (HookedTransformer.from_pretrained's
-    flags; refactor_factored_attn_matrices, which TransformerLens refuses for rotary models, left out)."""
+@pytest.fixture(scope="module", params=list(CASES))  # eager: processing changes the weights, not the compiled path
+def processed(request):
+    """(served model, TransformerLens's bridge with the same processing, the raw bridge's name)."""
     from xmix_lens import HookedServedModel
 
-    flags = {"fold_ln": True, "center_writing_weights": True, "center_unembed": True, "fold_value_biases": True}
-    model = HookedServedModel.from_pretrained(str(tiny_llama()), max_model_len=256, enforce_eager=True, **flags)
+    folder, flags = CASES[request.param]
+    model = HookedServedModel.from_pretrained(str(folder()), max_model_len=256, enforce_eager=True, **flags)
     assert {flag for flag, on in model.processing.items() if on} == set(flags)
-    yield model
+    ref = TLReference(folder())
+    ref.bridge.enable_compatibility_mode(disable_warnings=True, **model.processing)  # all five: TL's defaults are True
+    yield model, ref, request.param
     model.shutdown()
 
 
-@pytest.fixture(scope="module")
-def processed_reference(processed_llama):
-    ref = TLReference(tiny_llama())
-    ref.bridge.enable_compatibility_mode(disable_warnings=True, **processed_llama.processing)  # all five, TL's defaults are True
-    return ref
-
-
-def test_processed_logits_and_activations_match_transformer_lens(processed_llama, processed_reference):
-    xl, tl = processed_llama, processed_reference
+def test_processed_logits_and_activations_match_transformer_lens(processed):
+    xl, tl, _ = processed
     real = real_mask(tl, tl.to_tokens(PROMPTS), "right")
     names = ["blocks.1.hook_resid_pre", "blocks.0.ln1.hook_normalized", "blocks.1.attn.hook_v", "ln_final.hook_scale"]
     logits, ours = xl.run_with_cache(PROMPTS, names_filter=names)
@@ -43,9 +45,13 @@ def test_processed_logits_and_activations_match_transformer_lens(processed_llama
         assert (ours[name] - theirs[name]).abs()[real].max() < ATOL, name
 
 
-def test_processed_weights_are_transformer_lens_processed_weights(processed_llama, processed_reference, reference):
-    xl, tl = processed_llama, processed_reference.bridge
-    assert (xl.W_Q - reference["tiny-llama"].bridge.W_Q).abs().max() > 0.01  # the norm's weight folded in
-    for name in ("W_Q", "W_K", "W_O", "W_in", "W_gate", "W_out", "W_E", "W_U"):
-        assert torch.allclose(getattr(xl, name), getattr(tl, name), atol=1e-6), name
-    assert torch.allclose(xl.blocks[0].ln1.w, torch.ones(xl.cfg.d_model))  # folded into the weights after it
+def test_processed_weights_are_transformer_lens_processed_weights(processed, reference):
+    xl, tl, name = processed
+    raw = reference[name].bridge
+    # processing changed them: the norm's weight folded in (Llama), the writing weights centred (GPT-2)
+    changed = "W_Q" if xl.processing["fold_ln"] else "W_O"
+    assert (getattr(xl, changed) - getattr(raw, changed)).abs().max() > 0.01
+    for weight in ("W_Q", "W_K", "W_V", "W_O", "W_in", "W_out", "W_E", "W_U"):
+        assert torch.allclose(getattr(xl, weight), getattr(tl.bridge, weight), atol=1e-6), weight
+    if xl.processing["fold_ln"]:
+        assert torch.allclose(xl.blocks[0].ln1.w, torch.ones(xl.cfg.d_model))  # folded into the weights after it

@@ -14,9 +14,9 @@ import functools
 import os
 import threading
 import warnings
-from pathlib import Path
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -805,9 +805,9 @@ class HookedServedModel:
             scores_hooked = point == "attn.hook_pattern" and f"blocks.{L}.attn.hook_attn_scores" in computed
             if L is None or not (name in computed or scores_hooked):
                 continue
-            block = blocks.setdefault(L, computed_points.Block(
-                {}, functools.partial(lambda L: self.tl.blocks[L], L), self.cfg, mask))
-            block.reads = {n.split(".", 2)[2]: act for n, act in reads.items() if n.startswith(f"blocks.{L}.")}
+            if L not in blocks:  # its reads are refreshed in place by each further pass (_run(again=True))
+                blocks[L] = self._block(L, reads, mask)
+            block = blocks[L]
             act, used = computed_points.value(point, block)
             act = self._call_hooks(name, computed.get(name, []), act.clone())
             computed_points.hooked(point, block, act)
@@ -817,6 +817,12 @@ class HookedServedModel:
                            for target, value in computed_points.targets(point, block, act).items()})
             outcomes = self._run([self._with_writes(plan, writes) for plan in plans], again=True)  # refreshes `reads`
         return outcomes
+
+    def _block(self, L: int, reads: dict[str, torch.Tensor], mask: torch.Tensor) -> computed_points.Block:
+        """What computing block L's points needs: its reads (block-relative names), its weights (model.tl,
+        booted only if a write needs them), the config and the attention mask."""
+        own = {n.split(".", 2)[2]: act for n, act in reads.items() if n.startswith(f"blocks.{L}.")}
+        return computed_points.Block(own, lambda: self.tl.blocks[L], self.cfg, mask)
 
     def _call_hooks(self, name: str, fns: list[HookFn], act: torch.Tensor) -> torch.Tensor:
         """A computed point's hook functions, called on its value as TransformerLens calls them (a
@@ -859,10 +865,9 @@ class HookedServedModel:
                 values[name] = logits
                 continue
             L, point = self.hook_dict[name].layer(), name.split(".", 2)[2]
-            block = blocks.setdefault(L, computed_points.Block(
-                {n.split(".", 2)[2]: act for n, act in reads.items() if n.startswith(f"blocks.{L}.")},
-                functools.partial(lambda L: self.tl.blocks[L], L), self.cfg, allowed))
-            values[name] = computed_points.value(point, block)[0]
+            if L not in blocks:
+                blocks[L] = self._block(L, reads, allowed)
+            values[name] = computed_points.value(point, blocks[L])[0]
         for start, stop in [(0, P)] + [(P + j, P + j + 1) for j in range(steps)]:
             for name, fns in computed.items():
                 queries_by_keys = name.endswith(("attn.hook_attn_scores", "attn.hook_pattern"))

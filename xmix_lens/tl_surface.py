@@ -24,9 +24,8 @@ from pathlib import Path
 
 import torch
 
-from .model_files import _build_once, cache_dir
-
 from .hook_points import SWITCHED, HookPoint, canonical_name
+from .model_files import _build_once, cache_dir
 
 READ_ONLY = ("the served model's weights live in its vLLM engine: {what} is TransformerLens's copy (model.tl, on "
              "the CPU), and editing it would not change what the engine computes. Edit the activations with hooks "

@@ -2,9 +2,9 @@
 
 vLLM's tensor parallelism (TP = world ranks) shards some sites' features and replicates others:
   replicated  residual stream, attention and MLP outputs, norms: every rank holds all F features
-  sharded     attn.hook_q/k/v/z, hook_rot_q/k (heads: rank r holds heads [r H/w, (r+1) H/w)), mlp.hook_pre, hook_pre_linear and
-              mlp.hook_post (features: rank r holds [r F/w, (r+1) F/w)); contiguous blocks of the
-              flattened feature row either way
+  sharded     attn.hook_q/k/v/z, hook_rot_q/k (heads: rank r holds heads [r H/w, (r+1) H/w)),
+              mlp.hook_pre, hook_pre_linear and mlp.hook_post (features: rank r holds [r F/w, (r+1) F/w));
+              contiguous blocks of the flattened feature row either way
 At a replicated site every rank runs the op unchanged (writes land identically on every rank) and
 only rank 0 delivers reads. At a sharded site an op is split by `plan`:
   local       the op maps each shard to itself: rank r runs it on its block with its block of every

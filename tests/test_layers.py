@@ -18,7 +18,8 @@ LAYERS = {
     "vocabulary": ["xmix_lens.ops", "xmix_lens.functional", "xmix_lens.hook_points"],
     "ir": ["xmix_lens.ir"],
     "trace": ["xmix_lens.trace", "xmix_lens.stores"],
-    "lower": ["xmix_lens.lower", "xmix_lens.lowered", "xmix_lens.passes", "xmix_lens.app_config"],
+    "lower": ["xmix_lens.lower", "xmix_lens.lowered", "xmix_lens.passes", "xmix_lens.app_config",
+              "xmix_lens.request_choice"],
     "kernels": ["xmix_lens.kernels"],
     "backend": ["xmix_lens.backend"],
     "api": ["xmix_lens"],  # the rest of the package: model, app, cache, apps, cli, model_files

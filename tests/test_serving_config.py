@@ -1,22 +1,32 @@
 """`xmix-lens serve` / vLLM's own OpenAI server with an app config (docs/serving.md), as a real
-subprocess queried with the `openai` client: the apps are installed in the engine-core process, a
-request that chooses no app gets what a server without xmix-lens's config gives, and a bad config
-stops the server at start-up with the loader's error on its output."""
+subprocess queried with the `openai` client: the apps are installed in the engine-core process; a
+request that chooses no app gets what a server without xmix-lens's config gives; each choice of apps
+(`vllm_xargs`) gives what the in-process engine gives for it, alone or among 32 concurrent requests,
+streamed or not; bad choices are HTTP 400; the prefix cache is never shared across choices; a bad
+config, or a config without the API server's check, stops the server at start-up with the reason."""
+import json
 import os
+import random
+import re
 import shutil
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
+import openai
 import pytest
+import torch
 
 from tests.test_app_config import make_apps
 from tests.tiny_models import tiny_llama
 from xmix_lens.model import IN_PROCESS_ENVIRONMENT
+from xmix_lens.request_choice import APPS_KEY
 
 PROMPTS = ["Hello World! How are you", "The capital of France is"]
+MAX_TOKENS = 8
 START_TIMEOUT = 300  # seconds: an eager tiny-model server starts in about 40 s here
 
 
@@ -54,12 +64,28 @@ class Server:
         with open(self.log_path) as f:
             return f.read()
 
-    def completions(self, model: str) -> list[str]:
-        from openai import OpenAI
+    def client(self):
+        return openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="unused")
 
-        client = OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="unused")
-        return [client.completions.create(model=model, prompt=p, max_tokens=8, temperature=0).choices[0].text
+    def completions(self, model: str) -> list[str]:
+        return [self.client().completions.create(model=model, prompt=p, max_tokens=8, temperature=0).choices[0].text
                 for p in PROMPTS]
+
+    def complete(self, model: str, ids: list[int], xargs: dict | None) -> list[int]:
+        """Greedy token ids after a prompt of token ids, with `vllm_xargs`."""
+        extra = {"return_token_ids": True, "ignore_eos": True, **({"vllm_xargs": xargs} if xargs is not None else {})}
+        out = self.client().completions.create(model=model, prompt=ids, max_tokens=MAX_TOKENS, temperature=0,
+                                               extra_body=extra)
+        return out.choices[0].token_ids
+
+    def text(self, model: str, prompt: str, xargs: dict, stream: bool = False) -> str:
+        """A chat completion's text (streamed in pieces, or whole)."""
+        out = self.client().chat.completions.create(
+            model=model, messages=[{"role": "user", "content": prompt}], max_tokens=MAX_TOKENS, temperature=0,
+            stream=stream, extra_body={"vllm_xargs": xargs, "ignore_eos": True})
+        if not stream:
+            return out.choices[0].message.content
+        return "".join(chunk.choices[0].delta.content or "" for chunk in out if chunk.choices)
 
     def stop(self) -> None:
         self.process.terminate()
@@ -73,7 +99,7 @@ class Server:
 def vllm_args(model: str, port: int) -> list[str]:
     # a 64 MiB KV cache (the suite's engines get as little: conftest.py), not the default 1 GiB
     return [model, "--enforce-eager", "--max-model-len", "256", "--dtype", "float32", "--port", str(port),
-            "--kv-cache-memory-bytes", str(64 * 2**20)]
+            "--kv-cache-memory-bytes", str(64 * 2**20), "--block-size", "16"]
 
 
 @pytest.fixture(scope="module")
@@ -91,17 +117,46 @@ def start(tmp_path, name: str, config=None) -> Server:
     return Server(command, tmp_path / f"{name}.log", port)
 
 
-def test_served_config_installs_its_apps_and_plain_requests_run_native(config, tmp_path):
-    model = str(tiny_llama())
-    with_config = start(tmp_path, "with-config", config)
+@pytest.fixture(scope="module")
+def server(config, tmp_path_factory):
+    """`xmix-lens serve` with the config, for the module's tests."""
+    s = start(tmp_path_factory.mktemp("server"), "with-config", config)
     try:
-        assert with_config.wait_ready(), with_config.output()[-3000:]
-        log = with_config.output()
-        assert "xmix-lens: installing apps ['steer', 'probe', 'gate']" in log
-        assert "EngineCore" in log  # vLLM's multiprocess engine core, as `vllm serve` runs it
-        ours = with_config.completions(model)
+        assert s.wait_ready(), s.output()[-3000:]
+        yield s
     finally:
-        with_config.stop()
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def facade(served):
+    """The session's in-process engine with the same apps installed: what each choice must give."""
+    model = served["tiny-llama"]
+    apps = make_apps(model.cfg.d_model)
+    for app in apps:
+        model.install(app)
+    yield model
+    for app in apps:
+        model.uninstall(app.name)
+
+
+def prompt_ids(model, text: str) -> list[int]:
+    return model.to_tokens(text, prepend_bos=False)[0].tolist()
+
+
+def facade_tokens(model, ids: list[int], apps, max_new_tokens: int = MAX_TOKENS) -> list[int]:
+    out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False, stop_at_eos=False,
+                         apps=list(apps) or None)
+    return (out.result if apps else out)[0, len(ids):].tolist()  # an AppRun when apps ran
+
+
+def test_served_config_installs_its_apps_and_plain_requests_run_native(server, tmp_path):
+    model = str(tiny_llama())
+    log = server.output()
+    assert "xmix-lens: installing apps ['steer', 'probe', 'gate']" in log
+    assert "EngineCore" in log  # vLLM's multiprocess engine core, as `vllm serve` runs it
+    assert "xmix-lens: this API server takes app choices for ['steer', 'probe', 'gate']" in log
+    ours = server.completions(model)
     native = start(tmp_path, "native")
     try:
         assert native.wait_ready(), native.output()[-3000:]
@@ -109,6 +164,116 @@ def test_served_config_installs_its_apps_and_plain_requests_run_native(config, t
         assert native.completions(model) == ours
     finally:
         native.stop()
+
+
+@pytest.mark.parametrize("choice", [["steer"], ["gate"], ["probe"], ["steer", "probe", "gate"]])
+def test_each_choice_runs_as_on_the_facade(server, facade, choice):
+    """Greedy tokens of a request choosing apps equal the in-process engine's generate(apps=...)."""
+    ids = prompt_ids(facade, PROMPTS[0])
+    served = server.complete(str(tiny_llama()), ids, {APPS_KEY: ",".join(choice)})
+    assert served == facade_tokens(facade, ids, choice)
+    if choice != ["probe"]:  # a write changes the tokens: the apps ran, not the native path
+        assert served != facade_tokens(facade, ids, [])
+
+
+def test_concurrent_requests_with_random_choices_equal_each_alone(server, facade):
+    rng = random.Random(0)
+    names = ["steer", "probe", "gate"]
+    jobs = [(PROMPTS[i % len(PROMPTS)], tuple(n for n in names if rng.random() < 0.5), i % 3 == 0) for i in range(32)]
+    model = str(tiny_llama())
+    alone = {(p, c): server.text(model, p, {APPS_KEY: ",".join(c)}) for p, c in {(p, c) for p, c, _ in jobs}}
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        together = list(pool.map(lambda job: server.text(model, job[0], {APPS_KEY: ",".join(job[1])}, stream=job[2]),
+                                 jobs))
+    assert together == [alone[(p, c)] for p, c, _ in jobs]
+    assert len(set(alone.values())) > len(PROMPTS)  # the choices differ in what they give
+
+
+@pytest.mark.parametrize("xargs, named", [
+    ({APPS_KEY: "joy"}, "no app named 'joy'"),
+    ({APPS_KEY: 5}, "it takes app names"),
+    ({"xmix_app": "steer"}, "is not an xmix-lens key"),
+    ({APPS_KEY: "steer", "xmix.steer.scale": 2.0}, "per-request app parameters are not supported"),
+])
+def test_a_bad_choice_is_a_400_and_the_server_keeps_serving(server, facade, xargs, named):
+    ids = prompt_ids(facade, PROMPTS[1])
+    with pytest.raises(openai.BadRequestError, match=re.escape(named)):
+        server.complete(str(tiny_llama()), ids, xargs)
+    assert server.complete(str(tiny_llama()), ids, {APPS_KEY: "steer"}) == facade_tokens(facade, ids, ["steer"])
+
+
+def test_the_prefix_cache_is_never_shared_across_choices(server, facade):
+    """A long prompt first with an app, then without, then with again: each equals its own choice
+    on the facade (the steered request's KV blocks are salted away from the plain one's)."""
+    ids = prompt_ids(facade, " ".join(["The quick brown fox jumps over the lazy dog."] * 12))
+    model = str(tiny_llama())
+    steered, native = facade_tokens(facade, ids, ["steer"]), facade_tokens(facade, ids, [])
+    assert steered != native
+    assert server.complete(model, ids, {APPS_KEY: "steer"}) == steered
+    assert server.complete(model, ids, None) == native
+    assert server.complete(model, ids, {APPS_KEY: "steer"}) == steered
+    assert server.complete(model, ids, {APPS_KEY: ""}) == native
+
+
+def probe_oracle(model, ids: list[int]) -> torch.Tensor:
+    """The probe's score at every position of a sequence, from the facade (teacher-forced)."""
+    return model.run_with_hooks(torch.tensor([ids]), apps=["probe"]).outputs["probe"]["score"][0]
+
+
+def test_reads_come_back_with_the_completion(server, facade):
+    """Each prompt's reads, per position the engine computed for it, equal the facade's reads over
+    the prompt and the generated tokens; a completion of two prompts gets two entries."""
+    prompts = [prompt_ids(facade, p) for p in PROMPTS]
+    out = server.client().completions.create(
+        model=str(tiny_llama()), prompt=prompts, max_tokens=MAX_TOKENS, temperature=0,
+        extra_body={"return_token_ids": True, "ignore_eos": True, "vllm_xargs": {APPS_KEY: "steer,probe"}})
+    reads = out.model_extra["xmix_reads"]
+    assert [r["index"] for r in reads] == [0, 1]
+    for choice, ids, r in zip(sorted(out.choices, key=lambda c: c.index), prompts, reads):
+        score = r["apps"]["probe"]["score"]
+        sequence = ids + choice.token_ids
+        assert score["left_out"] == 0 and set(r["apps"]) == {"probe"}  # steer reads nothing
+        # every token the engine ran: the prompt and each generated token but perhaps the last
+        assert score["positions"][: len(sequence) - 1] == list(range(len(sequence) - 1))
+        steered = facade.run_with_hooks(torch.tensor([sequence]), apps=["steer", "probe"]).outputs["probe"]["score"][0]
+        torch.testing.assert_close(torch.tensor(score["values"]), steered[score["positions"]], atol=1e-4, rtol=1e-4)
+        assert not torch.allclose(steered, probe_oracle(facade, sequence))  # the steer ran before the probe read
+
+
+def test_reads_come_back_at_the_end_of_a_stream(server, facade):
+    model = str(tiny_llama())
+    whole = server.client().chat.completions.create(
+        model=model, messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=MAX_TOKENS, temperature=0,
+        extra_body={"vllm_xargs": {APPS_KEY: "probe"}, "ignore_eos": True})
+    chunks = list(server.client().chat.completions.create(
+        model=model, messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=MAX_TOKENS, temperature=0,
+        stream=True, extra_body={"vllm_xargs": {APPS_KEY: "probe"}, "ignore_eos": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
+    last = chunks[-1]
+    assert not last.choices and last.model_extra["xmix_reads"][0]["apps"]["probe"]["score"]["positions"]
+    streamed = last.model_extra["xmix_reads"][0]["apps"]["probe"]["score"]
+    expected = whole.model_extra["xmix_reads"][0]["apps"]["probe"]["score"]
+    n = min(len(streamed["positions"]), len(expected["positions"]))  # the last token's read is optional
+    assert streamed["positions"][:n] == expected["positions"][:n]
+    torch.testing.assert_close(torch.tensor(streamed["values"][:n]), torch.tensor(expected["values"][:n]))
+    # a request with no reading app gets no reads field
+    plain = server.client().completions.create(model=model, prompt=PROMPTS[0], max_tokens=2,
+                                               extra_body={"vllm_xargs": {APPS_KEY: "steer"}})
+    assert "xmix_reads" not in (plain.model_extra or {})
+
+
+def test_a_config_without_the_api_servers_check_stops_the_server_at_start(config, tmp_path):
+    """`vllm serve` with a config but without VLLM_PLUGINS naming xmix_lens: its API server would not
+    check or salt app choices, so the engine refuses to start and says what to set."""
+    port = free_port()
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", *vllm_args(str(tiny_llama()), port),
+               "--additional-config", json.dumps({"xmix_lens": {"config": str(config)}})]
+    server = Server(command, tmp_path / "unchecked.log", port)
+    try:
+        assert not server.wait_ready()
+        assert "set VLLM_PLUGINS=xmix_lens" in server.output()
+    finally:
+        server.stop()
 
 
 def test_a_bad_config_stops_the_server_at_start(config, tmp_path):

@@ -103,10 +103,19 @@ def serve_command(config: str, vllm_args: list[str]) -> list[str]:
             "--additional-config", config]
 
 
+def serve_environment(environ) -> dict:
+    """The server's environment: VLLM_PLUGINS names xmix_lens (vLLM loads endpoint plugins only when
+    it names them: the API server's side of per-request app choices), other plugins kept."""
+    named = [p for p in environ.get("VLLM_PLUGINS", "").split(",") if p]
+    if "VLLM_PLUGINS" in environ and "xmix_lens" not in named:
+        named.append("xmix_lens")
+    return {**environ, "VLLM_PLUGINS": ",".join(named or ["xmix_lens"])}
+
+
 def serve(args) -> None:
     command = serve_command(args.config, args.vllm_args)
     print(" ".join(command), flush=True)
-    os.execv(command[0], command)
+    os.execve(command[0], command, serve_environment(os.environ))
 
 
 def main(argv=None) -> None:

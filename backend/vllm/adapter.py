@@ -1,9 +1,13 @@
 """Everything that depends on vLLM's internals and versions (CPU 0.27.1, GPU 0.26.0) lives here."""
 import dataclasses
+import sys
 
 import torch
 
 from vllm.forward_context import get_forward_context, is_forward_context_available
+from vllm.logger import init_logger
+
+logger = init_logger("vllm.xmix_lens")
 
 
 # Where a model's site runtime is registered in vLLM's static forward context (the dict vLLM's
@@ -53,12 +57,43 @@ def shutdown_workers(llm) -> None:
     _executor(llm).shutdown()
 
 
-def bind_runner(runner):
-    """The model's site runtime, attached to its model runner (this process's, or a worker's)."""
-    runtime = runner.model.xmix_runtime
+def building_model() -> tuple[object, object]:
+    """(the model runner, the worker) whose `load_model` is building the model now, found on the
+    call stack: vLLM offers no registration that hands a model its runner or worker, and a served
+    engine (`vllm serve`, no facade to bind it) must follow each request's app choice from the first
+    step and answer the API server's collective RPCs. vLLM 0.26's and 0.27's runners build the model
+    inside their `load_model`, called from the worker's `load_model` (the worker holds a
+    `model_runner`). None for what is not found."""
+    runner = worker = None
+    frame = sys._getframe(1)
+    while frame is not None and worker is None:
+        owner = frame.f_locals.get("self") if frame.f_code.co_name == "load_model" else None
+        if owner is not None and hasattr(owner, "model_runner"):
+            worker = owner
+        elif owner is not None and runner is None and hasattr(owner, "execute_model"):
+            runner = owner
+        frame = frame.f_back
+    return runner, worker
+
+
+def serve_reads(worker, runtime) -> None:
+    """The worker answers `collective_rpc("xmix_take_reads", args=(request id,))`, the API server's
+    fetch of a finished request's reads (serving.py), with its runtime's."""
+    worker.xmix_take_reads = runtime.take_served_reads
+
+
+def bind_runner(runner, runtime=None):
+    """The model's site runtime, attached to its model runner (this process's, or a worker's).
+    Called as the model is built (`runtime` given: the runner has no model yet) and again by the
+    facade once the engine is up; the runner's methods are wrapped once."""
+    runtime = runtime or runner.model.xmix_runtime
     runtime.model_runner = runner
-    if not hasattr(runner, "input_batch") and not hasattr(runner, "xmix_input_batch"):
-        _hook_gpu_runner(runner, runtime)
+    if not getattr(runner, "xmix_bound", False):
+        runner.xmix_bound = True
+        _follow_request_choices(runner, runtime)
+        if not hasattr(runner, "input_batch"):
+            _keep_gpu_batches(runner, runtime)
+    _eager_steps_when_needed(runner, runtime)
     return runtime
 
 
@@ -67,13 +102,26 @@ def bind_worker(worker) -> None:
     bind_runner(worker.model_runner)
 
 
-def _hook_gpu_runner(runner, runtime) -> None:
+def _follow_request_choices(runner, runtime) -> None:
+    """Before each step, the apps that newly scheduled requests chose in their `vllm_xargs`
+    (request_choice), and the requests that finished. `execute_model(scheduler_output)` is where
+    both of vLLM's runners take them; it is wrapped on the instance."""
+    execute = runner.execute_model
+
+    def execute_with_choices(scheduler_output, *args, **kwargs):
+        runtime.follow_requests([(r.req_id, r.sampling_params and r.sampling_params.extra_args)
+                                 for r in scheduler_output.scheduled_new_reqs], scheduler_output.finished_req_ids)
+        _eager_steps_when_needed(runner, runtime)  # vLLM 0.26 makes its graph manager after the model
+        return execute(scheduler_output, *args, **kwargs)
+
+    runner.execute_model = execute_with_choices
+
+
+def _keep_gpu_batches(runner, runtime) -> None:
     """vLLM 0.26's GPU runner replays FULL CUDA graphs without calling the model's forward, and
-    builds each step's batch in a local variable. Wrapped on the instance:
-      - prepare_inputs: keep the batch (the step's request order) and prepare the control plane
-        for the step, whether the step then replays a graph or not;
-      - the CUDA-graph dispatcher: no graph for steps whose sites must run Python (host-planned
-        passes, apps installed after capture); every other step keeps its graph."""
+    builds each step's batch in a local variable. `prepare_inputs`, wrapped on the instance, keeps
+    the batch (the step's request order) and prepares the control plane for the step, whether the
+    step then replays a graph or not."""
     prepare = runner.prepare_inputs
 
     def prepare_and_keep(*args, **kwargs):
@@ -87,8 +135,13 @@ def _hook_gpu_runner(runner, runtime) -> None:
     runner.prepare_inputs = prepare_and_keep
     runtime.runner_prepares_steps = True
 
+
+def _eager_steps_when_needed(runner, runtime) -> None:
+    """vLLM 0.26's CUDA-graph dispatcher, wrapped on its instance once it exists: no graph for steps
+    whose sites must run Python (host-planned passes, apps installed after capture); every other
+    step keeps its graph."""
     manager = getattr(runner, "cudagraph_manager", None)
-    if manager is None:
+    if manager is None or getattr(manager, "xmix_wrapped", False) or hasattr(runner, "input_batch"):
         return
     from vllm.config import CUDAGraphMode
 
@@ -99,10 +152,14 @@ def _hook_gpu_runner(runner, runtime) -> None:
         if desc.cg_mode == CUDAGraphMode.NONE or not runtime.needs_eager_steps:
             return desc
         runtime.eager_steps += 1
+        if runtime.eager_steps == 1:
+            logger.warning("xmix-lens: steps run without CUDA graphs while requests use apps installed after "
+                           "graph capture or host-planned hooks (run_with_hooks); served configs' apps never do")
         return dataclasses.replace(desc, cg_mode=CUDAGraphMode.NONE, num_tokens=num_tokens, num_reqs=num_reqs,
                                    uniform_token_count=None)
 
     manager.dispatch = dispatch_unless_eager
+    manager.xmix_wrapped = True
 
 
 def clear_nonfinite_kv(runner) -> None:
@@ -114,8 +171,9 @@ def clear_nonfinite_kv(runner) -> None:
 
 
 def step_requests(runner) -> tuple[list[str], list[int]]:
-    """The request ids of the running step, in token order, and their token offsets [n + 1]."""
-    if runner is None or not is_forward_context_available():
+    """The request ids of the running step, in token order, and their token offsets [n + 1]; none
+    while CUDA graphs are captured (dummy batches; their host copies would break the capture)."""
+    if runner is None or not is_forward_context_available() or _capturing():
         return [], []
     batch = getattr(runner, "xmix_input_batch", None)
     if batch is not None:  # vLLM 0.26's GPU runner
@@ -127,3 +185,7 @@ def step_requests(runner) -> tuple[list[str], list[int]]:
     per_layer = metadata if isinstance(metadata, dict) else metadata[0]
     query_start = next(iter(per_layer.values())).query_start_loc.tolist()
     return list(runner.input_batch.req_ids[: len(query_start) - 1]), query_start
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()

@@ -217,8 +217,11 @@ class ControlPlane:
         self._default_bits = self._bits(names)
 
     def forget(self, req_id: str) -> None:
+        """A finished request: its choice and any reads not taken; reads of its last steps, filed
+        later, are dropped (`_file`)."""
         self.selected.pop(req_id, None)
         self._request_bits.pop(req_id, None)
+        self.results.pop(req_id, None)
 
     def take_results(self, req_id: str) -> dict:
         """Each read's values for a request, by (app, read key): (positions [n], values [n, width])."""
@@ -347,7 +350,7 @@ class ControlPlane:
             pos_chunks = positions[live].split(per_request)
             value_chunks = values[live].split(per_request)
             for req_id, count, pos, vals in zip(step.req_ids, per_request, pos_chunks, value_chunks):
-                if count:
+                if count and (req_id in self.selected or self.defaults):
                     self.results.setdefault(req_id, {}).setdefault(key, []).append((pos, vals))
 
 

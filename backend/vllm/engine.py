@@ -53,6 +53,7 @@ class VllmEngine:
         xmix_config = {"armed": armed}
         with tempfile.TemporaryDirectory(prefix="xmix-apps-") as folder:
             if apps:  # an app config, as `vllm serve` loads one: a TP engine builds its model in worker processes
+                xmix_config["facade"] = True  # its requests come from this process, not an API server
                 xmix_config["config"] = str(app_config.write(os.path.join(folder, "config"), model_dir,
                                                             [(name, 0, "", ops, {}) for name, ops in apps]))
             llm = LLM(model=str(model_dir), dtype=str(dtype).removeprefix("torch."), enforce_eager=enforce_eager,

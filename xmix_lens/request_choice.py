@@ -1,0 +1,73 @@
+"""A served request's choice of apps, read from its `vllm_xargs` (vLLM's `SamplingParams.extra_args`).
+
+    {"vllm_xargs": {"xmix_apps": "steer,probe"}}      or a list: ["steer", "probe"]
+
+`xmix_apps` names installed apps ("" or [] chooses none: the native path); a request with no key
+starting with "xmix" is not ours and runs as the server's defaults say. Everything else under
+"xmix" is refused with the reason, never ignored: a typo (`xmix_app`) must not run a request
+without the apps it asked for. Per-request parameters (`xmix.<app>.<param>`) are not served yet
+and are refused too.
+
+`salt` keys the prefix cache by choice: two requests share KV blocks only if they chose the same
+apps of the same config (the API server puts it in the request's `cache_salt`).
+
+The parsing lives here, without vLLM: the API server (which answers HTTP 400) and the engine's
+workers (which select the apps for the request's tokens) read a choice the same way.
+"""
+import hashlib
+import json
+from collections.abc import Sequence
+
+APPS_KEY = "xmix_apps"
+_OURS = "xmix"
+
+
+def asks_for_apps(extra_args: dict | None) -> bool:
+    """Whether a request says anything to xmix-lens (a key starting with "xmix")."""
+    return any(str(k).startswith(_OURS) for k in (extra_args or {}))
+
+
+def chosen_apps(extra_args: dict | None, installed: Sequence[str]) -> tuple[str, ...] | None:
+    """The apps a request chose, in install order; None if it says nothing to xmix-lens.
+    A ValueError names what is wrong and how to write it."""
+    extra = extra_args or {}
+    if not asks_for_apps(extra):
+        return None
+    for key in extra:
+        key = str(key)
+        if key.startswith(f"{_OURS}.") and key.count(".") >= 2:
+            raise ValueError(f"vllm_xargs[{key!r}]: per-request app parameters are not supported by this "
+                             f"version of xmix-lens; set the value at export (app.set_params) and choose the "
+                             f"app with {APPS_KEY!r}")
+        if key.startswith(_OURS) and key != APPS_KEY:
+            raise ValueError(f"vllm_xargs[{key!r}] is not an xmix-lens key; choose apps with "
+                             f'{{"{APPS_KEY}": "app1,app2"}}')
+    value = extra.get(APPS_KEY, "")
+    if isinstance(value, str):
+        names = [n.strip() for n in value.split(",")] if value.strip() else []
+    elif isinstance(value, list) and all(isinstance(n, str) for n in value):
+        names = [n.strip() for n in value]
+    else:
+        raise ValueError(f"vllm_xargs[{APPS_KEY!r}] is {value!r}; it takes app names, comma-separated "
+                         f'("app1,app2") or as a list of strings')
+    if any(not n for n in names):
+        raise ValueError(f"vllm_xargs[{APPS_KEY!r}] = {value!r} has an empty app name")
+    if len(set(names)) != len(names):
+        raise ValueError(f"vllm_xargs[{APPS_KEY!r}] = {value!r} names an app twice")
+    unknown = [n for n in names if n not in installed]
+    if unknown:
+        raise ValueError(f"vllm_xargs[{APPS_KEY!r}]: no app named {unknown[0]!r} on this server; "
+                         f"it serves {list(installed)}")
+    return tuple(n for n in installed if n in names)
+
+
+def salt(extra_args: dict | None, config_digest: str) -> str | None:
+    """The prefix-cache salt of a request's choice (None: it says nothing to xmix-lens). The same
+    apps, in any order or spelling, give the same salt."""
+    extra = extra_args or {}
+    if not asks_for_apps(extra):
+        return None
+    value = extra.get(APPS_KEY, "")
+    names = value.split(",") if isinstance(value, str) else value if isinstance(value, list) else [repr(value)]
+    choice = sorted({str(n).strip() for n in names} - {""})
+    return "xmix:" + hashlib.sha256(json.dumps([config_digest, choice]).encode()).hexdigest()[:32]

@@ -26,16 +26,22 @@ from types import SimpleNamespace
 
 import torch
 
-import xmix_lens  # noqa: F401  (sets vLLM's environment before vLLM is imported)
+from xmix_lens import App
+from xmix_lens.model import IN_PROCESS_ENVIRONMENT
+
+# every engine here in-process, the native baseline too, as from_pretrained sets it for its own
+for _name, _value in IN_PROCESS_ENVIRONMENT.items():
+    os.environ.setdefault(_name, _value)
 
 WORKLOADS = {"decode": (32, 128, 256), "gpu": (256, 128, 128), "throughput": (512, 256, 128)}
 TOY_WORKLOADS = {"decode": (3, 12, 6)}
 MODES = ["native", "installed_idle", "armed_idle", "steer", "seven", "eager_hook"]
 
 
-def seven_apps(cfg) -> tuple[list, torch.Tensor]:
-    """Seven apps over the model's layers: five writes (one conditional), two reads; and the
-    steering vector of the first (the eager engine's forward hook adds the same)."""
+def seven_apps(cfg) -> tuple[list[App], torch.Tensor]:
+    """Seven apps over the model's layers: five writes (one conditional), two reads (into
+    `app.outputs`, so that they can be exported and served); and the steering vector of the first
+    (the eager engine's forward hook adds the same)."""
     g = torch.Generator().manual_seed(0)
     L, d = cfg.n_layers, cfg.d_model
     v = torch.randn(d, generator=g) * 0.05
@@ -47,23 +53,29 @@ def seven_apps(cfg) -> tuple[list, torch.Tensor]:
     def at(fraction):  # a layer a fraction of the way through the model
         return min(L - 1, int(fraction * L))
 
-    kept = {}  # what the read apps keep (values reach the host through the messenger)
-
     def ablate_head(act, hook):
         act[:, :, 0] = 0.0
 
-    apps = {
+    probe_read, sae_features = App("probe_read"), App("sae_features")
+    probe_read.fwd_hooks = [(f"blocks.{at(0.9)}.hook_resid_post",
+                             lambda act, hook: probe_read.outputs.__setitem__("score", act @ probe))]
+    sae_features.fwd_hooks = [(f"blocks.{at(0.5)}.hook_resid_post",
+                               lambda act, hook: sae_features.outputs.__setitem__("features",
+                                                                                  torch.relu(act @ encoder + bias)))]
+    writes = {
         "steer": [(f"blocks.{at(0.5)}.hook_resid_post", lambda act, hook: act + v)],
         "ablate_direction": [(f"blocks.{at(0.6)}.hook_resid_pre", lambda act, hook: act - (act @ u)[..., None] * u)],
         "conditional_steer": [(f"blocks.{at(0.25)}.hook_resid_post",
                                lambda act, hook: act + torch.relu(act @ u)[..., None] * v)],
         "head_ablation": [(f"blocks.{at(0.3)}.attn.hook_z", ablate_head)],
         "mlp_scale": [(f"blocks.{at(0.5)}.mlp.hook_post", lambda act, hook: act * 1.05)],
-        "probe_read": [(f"blocks.{at(0.9)}.hook_resid_post", lambda act, hook: kept.update(score=act @ probe))],
-        "sae_features": [(f"blocks.{at(0.5)}.hook_resid_post",
-                          lambda act, hook: kept.update(features=torch.relu(act @ encoder + bias)))],
     }
-    return [SimpleNamespace(name=n, fwd_hooks=h) for n, h in apps.items()], v
+    return [App(n, fwd_hooks=h) for n, h in writes.items()] + [probe_read, sae_features], v
+
+
+def served_apps(model) -> list[App]:
+    """The seven apps for `xmix-lens export --apps bench.serving:served_apps` (the served benchmark)."""
+    return seven_apps(model.cfg)[0]
 
 
 def engine_kwargs(args) -> dict:

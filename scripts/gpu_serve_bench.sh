@@ -1,0 +1,59 @@
+# GPU machine (after staging, see ../shared/gpu/README.md and docs/status.md): the served benchmark of issue #15.
+# Two servers side by side on one GPU: vLLM's own (no xmix-lens plugin loaded) and `xmix-lens serve` with the
+# seven benchmark apps (bench/serving.py) exported. vLLM's own `vllm bench serve` runs against them in turn,
+# twice over (ABAB): native; xmix with no app chosen; one steering app; all seven. One request's reads are
+# checked too. Output under $OUT: the servers' logs, vLLM's result files, summary.json.
+set -u
+. .gpu/bin/env.sh && export PYTHONPATH=/tmp/tlsite:$PYTHONPATH
+M=.gpumodel
+COMMON="--load-format dummy --dtype bfloat16 --max-model-len 2048 --gpu-memory-utilization 0.3"
+python3 - <<'PY'
+from xmix_lens import HookedServedModel
+from bench.serving import served_apps
+m = HookedServedModel.from_pretrained(".gpumodel", dtype="bfloat16", load_format="dummy", max_model_len=512,
+                                      gpu_memory_utilization=0.2)
+print(m.export(served_apps(m), "/tmp/seven"))
+m.shutdown()
+PY
+SEVEN=steer,ablate_direction,conditional_steer,head_ablation,mlp_scale,probe_read,sae_features
+(VLLM_PLUGINS="" timeout 560 python3 -m vllm.entrypoints.openai.api_server --model $M $COMMON --port 8300 > $OUT/native.log 2>&1 &)
+(timeout 560 python3 -m xmix_lens.cli serve /tmp/seven -- $M $COMMON --port 8301 > $OUT/xmix.log 2>&1 &)
+for port in 8300 8301; do for i in $(seq 1 150); do curl -s localhost:$port/v1/models >/dev/null && break; sleep 2; done; done
+bench() {  # name port extra-body
+  python3 -m vllm.entrypoints.cli.main bench serve --backend vllm --base-url http://127.0.0.1:$2 --model $M \
+    --dataset-name random --random-input-len 512 --random-output-len 128 --num-prompts 256 --max-concurrency 32 \
+    --ignore-eos --extra-body "$3" --save-result --result-dir $OUT --result-filename $1.json > $OUT/$1.out 2>&1 \
+    || tail -5 $OUT/$1.out
+}
+for round in A B; do
+  bench native_$round 8300 '{}'
+  bench none_$round 8301 '{}'
+  bench steer_$round 8301 '{"vllm_xargs": {"xmix_apps": "steer"}}'
+  bench seven_$round 8301 "{\"vllm_xargs\": {\"xmix_apps\": \"$SEVEN\"}}"
+done
+curl -s localhost:8301/v1/completions -H 'Content-Type: application/json' -d "{\"model\": \"$M\", \"prompt\": [1,2,3,4,5,6,7,8], \"max_tokens\": 4, \"ignore_eos\": true, \"vllm_xargs\": {\"xmix_apps\": \"$SEVEN\"}}" > $OUT/reads.json
+python3 - <<'PY'
+import json, os, statistics
+out = os.environ["OUT"]
+keys = ["mean_ttft_ms", "p99_ttft_ms", "mean_itl_ms", "p99_itl_ms", "output_throughput", "request_throughput"]
+runs = {}
+for mode in ["native", "none", "steer", "seven"]:
+    for r in "AB":
+        path = f"{out}/{mode}_{r}.json"
+        if os.path.exists(path):
+            d = json.load(open(path))
+            runs.setdefault(mode, []).append({k: d.get(k) for k in keys})
+summary = {"runs": runs, "ratios_to_native": {}}
+if "native" in runs:
+    base = {k: statistics.mean(x[k] for x in runs["native"]) for k in keys}
+    for mode, rs in runs.items():
+        summary["ratios_to_native"][mode] = {k: statistics.mean(x[k] for x in rs) / base[k] for k in keys}
+reads = json.load(open(f"{out}/reads.json"))
+summary["reads"] = {app: {o: {"positions": v["positions"], "n_values": len(v["values"])} for o, v in outs.items()}
+                    for app, outs in reads.get("xmix_reads", [{}])[0].get("apps", {}).items()}
+summary["eager_warnings"] = sum("steps run without CUDA graphs" in l for l in open(f"{out}/xmix.log"))
+json.dump(summary, open(f"{out}/summary.json", "w"), indent=1)
+print(json.dumps(summary["ratios_to_native"], indent=1)); print(summary["reads"], "eager warnings:", summary["eager_warnings"])
+PY
+grep -E "xmix-lens: |Graph capturing finished|Error" $OUT/xmix.log | cut -c1-250 | head -8
+pkill -f vllm.entrypoints.openai.api_server; sleep 3

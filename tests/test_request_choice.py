@@ -6,7 +6,7 @@ import json
 import pytest
 
 from xmix_lens.backend.vllm import serving
-from xmix_lens.request_choice import APPS_KEY, chosen_apps, salt
+from xmix_lens.request_choice import APPS_KEY, READS_KEY, chosen_apps, salt
 
 INSTALLED = ["steer", "probe", "gate"]
 
@@ -16,6 +16,7 @@ INSTALLED = ["steer", "probe", "gate"]
     ({APPS_KEY: ""}, ()), ({APPS_KEY: []}, ()),
     ({APPS_KEY: "gate, steer"}, ("steer", "gate")),  # install order, spaces allowed
     ({APPS_KEY: ["probe"]}, ("probe",)),
+    ({APPS_KEY: "probe", READS_KEY: "all"}, ("probe",)),
 ])
 def test_a_choice_is_read_in_install_order(extra, names):
     assert chosen_apps(extra, INSTALLED) == names
@@ -29,6 +30,7 @@ def test_a_choice_is_read_in_install_order(extra, names):
     ({APPS_KEY: "steer,steer"}, "names an app twice"),
     ({"xmix_app": "steer"}, "'xmix_app'"),
     ({APPS_KEY: "steer", "xmix.steer.scale": 2.0}, "'xmix.steer.scale'"),
+    ({APPS_KEY: "probe", READS_KEY: "every"}, "'every'"),
 ])
 def test_a_bad_choice_is_refused_naming_it(extra, named):
     with pytest.raises(ValueError) as e:
@@ -63,6 +65,8 @@ def test_the_api_server_salts_choices_and_refuses_bad_ones(monkeypatch):
     salts = {json.loads(serving.checked(json.dumps(reading).encode(), "/v1/completions")[0])["cache_salt"]
              for _ in range(2)}
     assert serving.checked(json.dumps(reading).encode(), "/v1/completions")[1]  # its response gets the reads
+    unread = dict(choosing, vllm_xargs={APPS_KEY: "probe", READS_KEY: "none"})
+    assert not serving.checked(json.dumps(unread).encode(), "/v1/completions")[1]
     assert len(salts) == 2 and all(s.startswith(salt({APPS_KEY: "probe"}, "digest")) for s in salts)
     with pytest.raises(serving.BadChoice, match="not /v1/responses"):
         serving.checked(json.dumps(choosing).encode(), "/v1/responses")

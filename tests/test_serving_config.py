@@ -23,7 +23,7 @@ import torch
 from tests.test_app_config import make_apps
 from tests.tiny_models import tiny_llama
 from xmix_lens.model import IN_PROCESS_ENVIRONMENT
-from xmix_lens.request_choice import APPS_KEY
+from xmix_lens.request_choice import APPS_KEY, READS_KEY
 
 PROMPTS = ["Hello World! How are you", "The capital of France is"]
 MAX_TOKENS = 8
@@ -226,7 +226,8 @@ def test_reads_come_back_with_the_completion(server, facade):
     prompts = [prompt_ids(facade, p) for p in PROMPTS]
     out = server.client().completions.create(
         model=str(tiny_llama()), prompt=prompts, max_tokens=MAX_TOKENS, temperature=0,
-        extra_body={"return_token_ids": True, "ignore_eos": True, "vllm_xargs": {APPS_KEY: "steer,probe"}})
+        extra_body={"return_token_ids": True, "ignore_eos": True,
+                    "vllm_xargs": {APPS_KEY: "steer,probe", READS_KEY: "all"}})
     reads = out.model_extra["xmix_reads"]
     assert [r["index"] for r in reads] == [0, 1]
     for choice, ids, r in zip(sorted(out.choices, key=lambda c: c.index), prompts, reads):
@@ -238,16 +239,26 @@ def test_reads_come_back_with_the_completion(server, facade):
         steered = facade.run_with_hooks(torch.tensor([sequence]), apps=["steer", "probe"]).outputs["probe"]["score"][0]
         torch.testing.assert_close(torch.tensor(score["values"]), steered[score["positions"]], atol=1e-4, rtol=1e-4)
         assert not torch.allclose(steered, probe_oracle(facade, sequence))  # the steer ran before the probe read
+    # by default only the prompt's last position comes back; "last": the latest position the engine ran
+    for wanted, position in [("prompt_end", lambda ids, r: len(ids) - 1), ("last", lambda ids, r: r[-1])]:
+        xargs = {APPS_KEY: "steer,probe", **({READS_KEY: wanted} if wanted != "prompt_end" else {})}
+        small = server.client().completions.create(
+            model=str(tiny_llama()), prompt=prompts[0], max_tokens=MAX_TOKENS, temperature=0,
+            extra_body={"ignore_eos": True, "vllm_xargs": xargs}).model_extra["xmix_reads"][0]["apps"]["probe"]["score"]
+        whole = reads[0]["apps"]["probe"]["score"]
+        at = position(prompts[0], whole["positions"])
+        assert small["positions"] == [at]
+        torch.testing.assert_close(torch.tensor(small["values"]), torch.tensor([whole["values"][whole["positions"].index(at)]]))
 
 
 def test_reads_come_back_at_the_end_of_a_stream(server, facade):
     model = str(tiny_llama())
     whole = server.client().chat.completions.create(
         model=model, messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=MAX_TOKENS, temperature=0,
-        extra_body={"vllm_xargs": {APPS_KEY: "probe"}, "ignore_eos": True})
+        extra_body={"vllm_xargs": {APPS_KEY: "probe", READS_KEY: "all"}, "ignore_eos": True})
     chunks = list(server.client().chat.completions.create(
         model=model, messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=MAX_TOKENS, temperature=0,
-        stream=True, extra_body={"vllm_xargs": {APPS_KEY: "probe"}, "ignore_eos": True}))
+        stream=True, extra_body={"vllm_xargs": {APPS_KEY: "probe", READS_KEY: "all"}, "ignore_eos": True}))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
     last = chunks[-1]
     assert not last.choices and last.model_extra["xmix_reads"][0]["apps"]["probe"]["score"]["positions"]
@@ -256,10 +267,11 @@ def test_reads_come_back_at_the_end_of_a_stream(server, facade):
     n = min(len(streamed["positions"]), len(expected["positions"]))  # the last token's read is optional
     assert streamed["positions"][:n] == expected["positions"][:n]
     torch.testing.assert_close(torch.tensor(streamed["values"][:n]), torch.tensor(expected["values"][:n]))
-    # a request with no reading app gets no reads field
-    plain = server.client().completions.create(model=model, prompt=PROMPTS[0], max_tokens=2,
-                                               extra_body={"vllm_xargs": {APPS_KEY: "steer"}})
-    assert "xmix_reads" not in (plain.model_extra or {})
+    # a request with no reading app, or asking for no reads, gets no reads field
+    for xargs in [{APPS_KEY: "steer"}, {APPS_KEY: "probe", READS_KEY: "none"}]:
+        plain = server.client().completions.create(model=model, prompt=PROMPTS[0], max_tokens=2,
+                                                   extra_body={"vllm_xargs": xargs})
+        assert "xmix_reads" not in (plain.model_extra or {})
 
 
 def test_a_config_without_the_api_servers_check_stops_the_server_at_start(config, tmp_path):

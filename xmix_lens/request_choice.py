@@ -1,8 +1,12 @@
 """A served request's choice of apps, read from its `vllm_xargs` (vLLM's `SamplingParams.extra_args`).
 
     {"vllm_xargs": {"xmix_apps": "steer,probe"}}      or a list: ["steer", "probe"]
+    {"vllm_xargs": {"xmix_apps": "probe", "xmix_reads": "all"}}
 
-`xmix_apps` names installed apps ("" or [] chooses none: the native path); a request with no key
+`xmix_apps` names installed apps ("" or [] chooses none: the native path). `xmix_reads` says which
+positions of the chosen apps' reads come back with the response: "prompt_end" (the default: the
+prompt's last token, where a detector or a probe of the request decides), "last" (the latest token
+the engine ran), "all" (every position), or "none". A request with no key
 starting with "xmix" is not ours and runs as the server's defaults say. Everything else under
 "xmix" is refused with the reason, never ignored: a typo (`xmix_app`) must not run a request
 without the apps it asked for. Per-request parameters (`xmix.<app>.<param>`) are not served yet
@@ -19,6 +23,8 @@ import json
 from collections.abc import Sequence
 
 APPS_KEY = "xmix_apps"
+READS_KEY = "xmix_reads"
+READS = ("prompt_end", "last", "all", "none")
 _OURS = "xmix"
 
 
@@ -39,9 +45,10 @@ def chosen_apps(extra_args: dict | None, installed: Sequence[str]) -> tuple[str,
             raise ValueError(f"vllm_xargs[{key!r}]: per-request app parameters are not supported by this "
                              f"version of xmix-lens; set the value at export (app.set_params) and choose the "
                              f"app with {APPS_KEY!r}")
-        if key.startswith(_OURS) and key != APPS_KEY:
+        if key.startswith(_OURS) and key not in (APPS_KEY, READS_KEY):
             raise ValueError(f"vllm_xargs[{key!r}] is not an xmix-lens key; choose apps with "
-                             f'{{"{APPS_KEY}": "app1,app2"}}')
+                             f'{{"{APPS_KEY}": "app1,app2"}} and their reads\' positions with {READS_KEY!r}')
+    reads_wanted(extra)
     value = extra.get(APPS_KEY, "")
     if isinstance(value, str):
         names = [n.strip() for n in value.split(",")] if value.strip() else []
@@ -71,3 +78,11 @@ def salt(extra_args: dict | None, config_digest: str) -> str | None:
     names = value.split(",") if isinstance(value, str) else value if isinstance(value, list) else [repr(value)]
     choice = sorted({str(n).strip() for n in names} - {""})
     return "xmix:" + hashlib.sha256(json.dumps([config_digest, choice]).encode()).hexdigest()[:32]
+
+
+def reads_wanted(extra_args: dict | None) -> str:
+    """Which positions of its reads a request wants back (one of READS)."""
+    value = (extra_args or {}).get(READS_KEY, READS[0])
+    if value not in READS:
+        raise ValueError(f"vllm_xargs[{READS_KEY!r}] is {value!r}; it takes one of {list(READS)}")
+    return value

@@ -109,8 +109,9 @@ def _follow_request_choices(runner, runtime) -> None:
     execute = runner.execute_model
 
     def execute_with_choices(scheduler_output, *args, **kwargs):
-        runtime.follow_requests([(r.req_id, r.sampling_params and r.sampling_params.extra_args)
-                                 for r in scheduler_output.scheduled_new_reqs], scheduler_output.finished_req_ids)
+        runtime.follow_requests([(r.req_id, r.sampling_params and r.sampling_params.extra_args,
+                                  len(r.prompt_token_ids or ())) for r in scheduler_output.scheduled_new_reqs],
+                                scheduler_output.finished_req_ids)
         _eager_steps_when_needed(runner, runtime)  # vLLM 0.26 makes its graph manager after the model
         return execute(scheduler_output, *args, **kwargs)
 

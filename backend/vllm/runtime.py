@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from xmix_lens.lowered import AffineWrite, GeneratedRead, GeneratedWrite, LoweredOp, Read, to_device
-from xmix_lens.request_choice import chosen_apps
+from xmix_lens.request_choice import chosen_apps, reads_wanted
 
 from ..executor import Executor
 from . import adapter, sharding
@@ -106,7 +106,7 @@ class SiteRuntime:
         self.runner_prepares_steps = False
         self.eager_steps = 0  # steps run without CUDA graphs because their sites must run Python
         self.served: set[str] = set()  # requests whose own vllm_xargs chose their apps
-        self.reading: set[str] = set()  # those of them that chose an app that reads
+        self.reading: dict[str, tuple[str, int]] = {}  # those whose reads go back: (which positions, prompt length)
         self.finished_reading: dict[str, None] = {}  # finished, their reads not fetched yet (oldest first)
         for name, ops_by_hook_point in apps:
             self.install_app(name, ops_by_hook_point)
@@ -128,8 +128,8 @@ class SiteRuntime:
     def uninstall_app(self, name: str) -> None:
         self.control.uninstall(name)
 
-    def follow_requests(self, new: list[tuple[str, dict | None]], finished: set[str]) -> None:
-        """As vLLM schedules them (adapter): newly scheduled requests' (id, vllm_xargs) and the ids of
+    def follow_requests(self, new: list[tuple[str, dict | None, int]], finished: set[str]) -> None:
+        """As vLLM schedules them (adapter): newly scheduled requests' (id, vllm_xargs, prompt length) and the ids of
         finished ones. A request whose vllm_xargs choose apps (request_choice) runs with them; one that
         says nothing to xmix-lens keeps what a facade call chose for it, or the defaults. An engine
         with no app installed reads no choices (vLLM's own server ignores vllm_xargs it does not know);
@@ -144,13 +144,14 @@ class SiteRuntime:
             self._forget_served(next(iter(self.finished_reading)))
         if not self.control.apps:
             return
-        for req_id, extra_args in new:
+        for req_id, extra_args, prompt_len in new:
             names = chosen_apps(extra_args, list(self.control.apps))
             if names is not None:
                 self.control.select(req_id, names)
                 self.served.add(req_id)
-                if any(self.control.apps[name].info().reads for name in names):
-                    self.reading.add(req_id)
+                wanted = reads_wanted(extra_args)
+                if wanted != "none" and any(self.control.apps[name].info().reads for name in names):
+                    self.reading[req_id] = (wanted, prompt_len)
 
     def take_served_reads(self, request_id: str) -> list | None:
         """The reads of the served requests of one API request, which are then forgotten: vLLM's ids
@@ -162,16 +163,19 @@ class SiteRuntime:
         for req_id in sorted(r for r in self.reading if r.startswith(request_id + "-")):
             middle = req_id[len(request_id) + 1:].split("-")
             index = int(middle[0]) if len(middle) > 1 and middle[0].isdigit() else 0
-            reads = self.control.take_results(req_id)
-            taken.append((index, [(app, list(key), pos.tolist(), values.tolist())
-                                  for (app, key), (pos, values) in reads.items()]))
+            wanted, prompt_len = self.reading[req_id]
+            reads = []
+            for (app, key), (pos, values) in self.control.take_results(req_id).items():
+                kept = {"all": pos >= 0, "prompt_end": pos == prompt_len - 1, "last": pos == pos.max()}[wanted]
+                reads.append((app, list(key), pos[kept].tolist(), values[kept].tolist()))
+            taken.append((index, reads))
             self._forget_served(req_id)
         return taken if self.tp_rank == 0 else None
 
     def _forget_served(self, req_id: str) -> None:
         self.control.forget(req_id)
         self.served.discard(req_id)
-        self.reading.discard(req_id)
+        self.reading.pop(req_id, None)
         self.finished_reading.pop(req_id, None)
 
     def set_default_apps(self, names) -> None:

@@ -29,7 +29,7 @@ import torch
 from vllm.logger import init_logger
 
 from xmix_lens import app_config
-from xmix_lens.request_choice import asks_for_apps, chosen_apps, salt
+from xmix_lens.request_choice import asks_for_apps, chosen_apps, reads_wanted, salt
 
 logger = init_logger("vllm.xmix_lens")
 SALTED_PATHS = ("/v1/completions", "/v1/chat/completions")  # the requests whose cache_salt vLLM honours
@@ -107,7 +107,7 @@ def checked(body: bytes, path: str) -> tuple[bytes, bool]:
     if path not in SALTED_PATHS:
         raise BadChoice(f"apps are chosen through {' and '.join(SALTED_PATHS)}, not {path}")
     choice_salt = salt(xargs, _served.digest)
-    reading = bool(set(names) & _served.reading)
+    reading = bool(set(names) & _served.reading) and reads_wanted(xargs) != "none"
     if reading:  # no prefix-cache reuse: every position computed, and read
         choice_salt += f":{uuid.uuid4().hex}"
     client_salt = request.get("cache_salt")

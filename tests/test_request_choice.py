@@ -60,14 +60,20 @@ def test_the_api_server_salts_choices_and_refuses_bad_ones(monkeypatch):
     with_client_salt = dict(choosing, cache_salt="tenant-1")
     assert json.loads(serving.checked(json.dumps(with_client_salt).encode(), "/v1/chat/completions")[0])[
         "cache_salt"] == f"tenant-1|{expected}"
-    # a choice with a reading app: a salt of its own each time (no prefix-cache reuse: every position is read)
-    reading = dict(choosing, vllm_xargs={APPS_KEY: "probe"})
+    # every position's reads wanted: a salt of its own each time (no prefix-cache reuse: every position is read)
+    reading = dict(choosing, vllm_xargs={APPS_KEY: "probe", READS_KEY: "all"})
     salts = {json.loads(serving.checked(json.dumps(reading).encode(), "/v1/completions")[0])["cache_salt"]
              for _ in range(2)}
     assert serving.checked(json.dumps(reading).encode(), "/v1/completions")[1]  # its response gets the reads
     unread = dict(choosing, vllm_xargs={APPS_KEY: "probe", READS_KEY: "none"})
     assert not serving.checked(json.dumps(unread).encode(), "/v1/completions")[1]
+    with pytest.raises(serving.BadChoice, match="n = 1"):  # reads follow one sample per prompt
+        serving.checked(json.dumps(dict(reading, n=2)).encode(), "/v1/completions")
+    assert serving.checked(json.dumps(dict(unread, n=2)).encode(), "/v1/completions")
     assert len(salts) == 2 and all(s.startswith(salt({APPS_KEY: "probe"}, "digest")) for s in salts)
+    at_prompt_end = dict(choosing, vllm_xargs={APPS_KEY: "probe"})  # the default: computed on any cache hit
+    body, reads_back = serving.checked(json.dumps(at_prompt_end).encode(), "/v1/completions")
+    assert reads_back and json.loads(body)["cache_salt"] == salt({APPS_KEY: "probe"}, "digest")
     with pytest.raises(serving.BadChoice, match="not /v1/responses"):
         serving.checked(json.dumps(choosing).encode(), "/v1/responses")
     with pytest.raises(serving.BadChoice, match="no app named 'joy'"):

@@ -12,7 +12,8 @@ parses it. A request whose `vllm_xargs` say anything to xmix-lens is
     request choosing an app that reads gets a salt of its own: it computes every position, and its
     reads cover every position they promise.
 Then the engine's workers select the apps for each request's tokens from the same `vllm_xargs`
-(adapter.follow_request_choices).
+(adapter._follow_request_choices). The response of a request that wants reads (`WithReads`) gets them,
+fetched from the workers by collective RPC once the response is complete.
 
 Why not a logits processor's `validate_params` (vLLM's documented per-request check)? Installing
 one as an entry point makes vLLM 0.26 give up its V2 model runner for every engine on the machine
@@ -107,9 +108,13 @@ def checked(body: bytes, path: str) -> tuple[bytes, bool]:
     if path not in SALTED_PATHS:
         raise BadChoice(f"apps are chosen through {' and '.join(SALTED_PATHS)}, not {path}")
     choice_salt = salt(xargs, _served.digest)
-    reading = bool(set(names) & _served.reading) and reads_wanted(xargs) != "none"
-    if reading:  # no prefix-cache reuse: every position computed, and read
-        choice_salt += f":{uuid.uuid4().hex}"
+    wanted = reads_wanted(xargs)
+    reading = bool(set(names) & _served.reading) and wanted != "none"
+    if reading and (request.get("n") or 1) != 1:  # vLLM gives each sample an id of its own: no reads could follow
+        raise BadChoice(f"reads come back for one sample per prompt (n = 1), not n = {request['n']}; ask for "
+                        "n = 1, or for no reads (\"xmix_reads\": \"none\")")
+    if reading and wanted == "all":  # no prefix-cache reuse: every position computed, and read (the prompt's
+        choice_salt += f":{uuid.uuid4().hex}"  # last token and the latest one are computed on any cache hit)
     client_salt = request.get("cache_salt")
     request["cache_salt"] = f"{client_salt}|{choice_salt}" if isinstance(client_salt, str) and client_salt \
         else choice_salt

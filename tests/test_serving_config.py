@@ -248,7 +248,8 @@ def test_reads_come_back_with_the_completion(server, facade):
         whole = reads[0]["apps"]["probe"]["score"]
         at = position(prompts[0], whole["positions"])
         assert small["positions"] == [at]
-        torch.testing.assert_close(torch.tensor(small["values"]), torch.tensor([whole["values"][whole["positions"].index(at)]]))
+        there = whole["values"][whole["positions"].index(at)]
+        torch.testing.assert_close(torch.tensor(small["values"]), torch.tensor([there]))
 
 
 def test_reads_come_back_at_the_end_of_a_stream(server, facade):
@@ -278,7 +279,8 @@ def test_a_config_without_the_api_servers_check_stops_the_server_at_start(config
     """`vllm serve` with a config but without VLLM_PLUGINS naming xmix_lens: its API server would not
     check or salt app choices, so the engine refuses to start and says what to set."""
     port = free_port()
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", *vllm_args(str(tiny_llama()), port),
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+               "--model", *vllm_args(str(tiny_llama()), port),
                "--additional-config", json.dumps({"xmix_lens": {"config": str(config)}})]
     server = Server(command, tmp_path / "unchecked.log", port)
     try:

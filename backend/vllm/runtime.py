@@ -129,11 +129,12 @@ class SiteRuntime:
         self.control.uninstall(name)
 
     def follow_requests(self, new: list[tuple[str, dict | None, int]], finished: set[str]) -> None:
-        """As vLLM schedules them (adapter): newly scheduled requests' (id, vllm_xargs, prompt length) and the ids of
-        finished ones. A request whose vllm_xargs choose apps (request_choice) runs with them; one that
-        says nothing to xmix-lens keeps what a facade call chose for it, or the defaults. An engine
-        with no app installed reads no choices (vLLM's own server ignores vllm_xargs it does not know);
-        one serving a config has an API server that refused bad choices (serving.py)."""
+        """As vLLM schedules them (adapter): newly scheduled requests' (id, vllm_xargs, prompt length)
+        and the ids of finished ones. A request whose vllm_xargs choose apps (request_choice) runs with
+        them; one that says nothing to xmix-lens keeps what a facade call chose for it, or the
+        defaults. An engine with no app installed reads no choices (vLLM's own server ignores
+        vllm_xargs it does not know); one serving a config has an API server that refused bad
+        choices (serving.py)."""
         for req_id in self.served & finished:
             if req_id in self.reading:  # kept selected until fetched: its last steps' reads are still filed
                 self.finished_reading[req_id] = None

@@ -122,14 +122,14 @@ def checked(body: bytes, path: str) -> tuple[bytes, bool]:
 
 
 class CheckChoices:
-    """ASGI middleware: every POST body through `checked` before vLLM reads it."""
+    """ASGI middleware: every POST body but uploads through `checked` before vLLM reads it."""
 
     def __init__(self, app):
         self.app = app
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope.get("method") != "POST":
-            return await self.app(scope, receive, send)
+        if scope["type"] != "http" or scope.get("method") != "POST" or _multipart(scope):
+            return await self.app(scope, receive, send)  # an upload (audio): streamed on, never buffered
         chunks, more = [], True
         while more:
             message = await receive()
@@ -215,6 +215,12 @@ def reads_json(per_prompt: list, outputs: dict, max_values: int) -> list[dict]:
                 "values": values.reshape(kept, *shape).tolist(), "left_out": len(positions) - kept}
         out.append({"index": index, "apps": apps})
     return out
+
+
+def _multipart(scope) -> bool:
+    """A form upload: vLLM reads no vllm_xargs from one (any other body is checked, whatever its
+    declared type: FastAPI may parse it as JSON)."""
+    return dict(scope.get("headers", [])).get(b"content-type", b"").lower().startswith(b"multipart/")
 
 
 def _replay(messages: list, receive):

@@ -15,7 +15,8 @@ PROMPTS = ["Hello World! How are you", "Hi"]
 
 
 def make_apps(d_model: int) -> list[App]:
-    """A steering write, a per-token probe read, and a generated (nonlinear) gate."""
+    """A steering write, a per-token probe read, and a generated (nonlinear) gate; the steer's
+    `coef` and the gate's `gain` are request params (a served request may set them)."""
     g = torch.Generator().manual_seed(0)
     v, d = torch.randn(d_model, generator=g), torch.randn(d_model, generator=g)
     d = d / d.norm()
@@ -25,10 +26,14 @@ def make_apps(d_model: int) -> list[App]:
         probe.outputs["score"] = act @ d
 
     probe.fwd_hooks = [("blocks.1.hook_resid_post", score)]
-    return [App("steer", fwd_hooks=[("blocks.0.hook_resid_post", lambda act, hook: act + v)], params={"v": v}),
+    steer = {"v": v, "coef": torch.tensor(1.0)}
+    gate = {"gain": torch.tensor(1.0)}
+    return [App("steer", fwd_hooks=[("blocks.0.hook_resid_post", lambda act, hook: act + steer["v"] * steer["coef"])],
+                params=steer, request_params={"coef": (-4.0, 4.0)}),
             probe,
             App("gate", fwd_hooks=[("blocks.1.hook_resid_pre",
-                                    lambda act, hook: act + torch.relu(act @ d)[..., None] * v)])]
+                                    lambda act, hook: act + torch.relu(act @ d)[..., None] * (v * gate["gain"]))],
+                params=gate, request_params={"gain": (0.0, 8.0)})]
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +87,30 @@ def test_export_refuses_an_app_that_cannot_be_resident(served, tmp_path):
     last_token = App("last", fwd_hooks=[("blocks.0.hook_resid_post", double_last)])
     with pytest.raises(ValueError, match="selects positions"):
         model.export([last_token], tmp_path / "x")
+
+
+def test_request_params_are_exported_with_their_slopes(exported):
+    """A request param's effect on the ops, as a slope: the op at the param's value p is the
+    exported op + (p - default) * slope, which the app lowered at p gives (here: bias = coef * v)."""
+    _, folder = exported
+    (steer, steer_ops), _, (gate, gate_ops) = app_config.read(folder, tiny_llama())
+    assert [(p.name, p.default, p.minimum, p.maximum) for p in steer.params] == [("coef", 1.0, -4.0, 4.0)]
+    assert [p.name for p in gate.params] == ["gain"]
+    (write,) = steer_ops["blocks.0.hook_resid_post"]
+    torch.testing.assert_close(write.slopes["coef"]["bias"], write.bias)  # bias = coef * v, default coef 1
+    (program,) = gate_ops["blocks.1.hook_resid_pre"]
+    assert set(program.slopes) == {"gain"} and all(f.startswith("consts[") for f in program.slopes["gain"])
+
+
+def test_export_refuses_a_request_param_that_is_not_an_added_term(served, tmp_path):
+    model = served["tiny-llama"]
+    params = {"s": torch.tensor(1.0)}
+    scaled = App("scaled", fwd_hooks=[("blocks.0.hook_resid_post", lambda act, hook: act * params["s"])],
+                 params=params, request_params={"s": (0.0, 2.0)})
+    with pytest.raises(ValueError, match=r"request param 's' changes scale .*not an added term"):
+        model.export([scaled], tmp_path / "x")
+    with pytest.raises(ValueError, match="outside its bounds"):
+        App("bad", params={"s": torch.tensor(3.0)}, request_params={"s": (0.0, 2.0)})
 
 
 # --- bad configs: refused by app_config.read, before any engine starts ---------------------------
@@ -148,6 +177,12 @@ def test_missing_tensor_file(copy):
 def test_pickle_file_in_the_folder(copy):
     (copy / "extra.pkl").write_bytes(pickle.dumps({"x": 1}))
     with pytest.raises(app_config.ConfigError, match="extra.pkl is not part of the config.*no pickles"):
+        app_config.read(copy, tiny_llama())
+
+
+def test_slopes_of_an_undeclared_param(copy):
+    edit_manifest(copy, lambda m: m["apps"][0].update(params=[]))
+    with pytest.raises(app_config.ConfigError, match=r"app 'steer': .*slopes names 'coef', which params does not"):
         app_config.read(copy, tiny_llama())
 
 

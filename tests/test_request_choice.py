@@ -2,11 +2,12 @@
 the API server's check and salting of request bodies (backend/vllm/serving.py): every malformed choice is
 refused with its key named, never read as "no apps"."""
 import json
+import re
 
 import pytest
 
 from xmix_lens.backend.vllm import serving
-from xmix_lens.request_choice import APPS_KEY, READS_KEY, chosen_apps, salt
+from xmix_lens.request_choice import APPS_KEY, READS_KEY, chosen_apps, chosen_values, salt
 
 INSTALLED = ["steer", "probe", "gate"]
 
@@ -20,6 +21,21 @@ INSTALLED = ["steer", "probe", "gate"]
 ])
 def test_a_choice_is_read_in_install_order(extra, names):
     assert chosen_apps(extra, INSTALLED) == names
+
+
+DECLARED = {"steer": {"coef": (-4.0, 4.0)}, "probe": {}, "gate": {"gain": (0.0, 8.0)}}
+
+
+def test_request_params_are_read_within_their_bounds():
+    extra = {APPS_KEY: "steer,gate", "xmix.steer.coef": 2.5, "xmix.gate.gain": 0}
+    assert chosen_apps(extra, DECLARED) == ("steer", "gate")
+    assert chosen_values(extra) == {"steer": {"coef": 2.5}, "gate": {"gain": 0.0}}
+    assert salt(extra, "d") != salt({APPS_KEY: "steer,gate"}, "d")  # the values key the prefix cache too
+    for bad, named in [({"xmix.steer.coef": 9.0}, "in [-4.0, 4.0]"), ({"xmix.steer.coef": True}, "True"),
+                       ({"xmix.steer.coef": "2"}, "'2'"), ({"xmix.probe.coef": 1.0}, "declares no request parameter"),
+                       ({"xmix.joy.scale": 1.0}, "does not choose")]:
+        with pytest.raises(ValueError, match=re.escape(named)):
+            chosen_apps({APPS_KEY: "steer,probe", **bad}, DECLARED)
 
 
 @pytest.mark.parametrize("extra, named", [

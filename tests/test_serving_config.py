@@ -176,16 +176,44 @@ def test_each_choice_runs_as_on_the_facade(server, facade, choice):
         assert served != facade_tokens(facade, ids, [])
 
 
+def test_request_params_run_as_the_facade_with_those_values(server, facade):
+    """A request's own values of the apps' request params give what the in-process engine gives
+    with the apps' params set to them; the defaults are untouched for the next request."""
+    ids = prompt_ids(facade, PROMPTS[0])
+    model = str(tiny_llama())
+    default = facade_tokens(facade, ids, ["steer", "gate"])
+    served = server.complete(model, ids, {APPS_KEY: "steer,gate", "xmix.steer.coef": -2.5, "xmix.gate.gain": 3.0})
+    steer, gate = facade.app_registry.apps["steer"], facade.app_registry.apps["gate"]
+    steer.set_params(coef=-2.5)
+    gate.set_params(gain=3.0)
+    try:
+        assert served == facade_tokens(facade, ids, ["steer", "gate"])
+    finally:
+        steer.set_params(coef=1.0)
+        gate.set_params(gain=1.0)
+    assert served != default
+    assert server.complete(model, ids, {APPS_KEY: "steer,gate"}) == default
+
+
 def test_concurrent_requests_with_random_choices_equal_each_alone(server, facade):
+    """32 requests at once, each with a random choice of apps and some with their own steering
+    strength, some streamed: each equals its request sent alone."""
     rng = random.Random(0)
     names = ["steer", "probe", "gate"]
-    jobs = [(PROMPTS[i % len(PROMPTS)], tuple(n for n in names if rng.random() < 0.5), i % 3 == 0) for i in range(32)]
+
+    def xargs(choice, coef):
+        return {APPS_KEY: ",".join(choice), **({"xmix.steer.coef": coef} if coef is not None else {})}
+
+    jobs = []
+    for i in range(32):
+        choice = tuple(n for n in names if rng.random() < 0.5)
+        coef = rng.choice([None, -3.0, 2.0]) if "steer" in choice else None
+        jobs.append((PROMPTS[i % len(PROMPTS)], choice, coef, i % 3 == 0))
     model = str(tiny_llama())
-    alone = {(p, c): server.text(model, p, {APPS_KEY: ",".join(c)}) for p, c in {(p, c) for p, c, _ in jobs}}
+    alone = {job[:3]: server.text(model, job[0], xargs(*job[1:3])) for job in {j[:3] for j in jobs}}
     with ThreadPoolExecutor(len(jobs)) as pool:
-        together = list(pool.map(lambda job: server.text(model, job[0], {APPS_KEY: ",".join(job[1])}, stream=job[2]),
-                                 jobs))
-    assert together == [alone[(p, c)] for p, c, _ in jobs]
+        together = list(pool.map(lambda job: server.text(model, job[0], xargs(*job[1:3]), stream=job[3]), jobs))
+    assert together == [alone[job[:3]] for job in jobs]
     assert len(set(alone.values())) > len(PROMPTS)  # the choices differ in what they give
 
 
@@ -193,7 +221,8 @@ def test_concurrent_requests_with_random_choices_equal_each_alone(server, facade
     ({APPS_KEY: "joy"}, "no app named 'joy'"),
     ({APPS_KEY: 5}, "it takes app names"),
     ({"xmix_app": "steer"}, "is not an xmix-lens key"),
-    ({APPS_KEY: "steer", "xmix.steer.scale": 2.0}, "per-request app parameters are not supported"),
+    ({APPS_KEY: "steer", "xmix.steer.coef": 9.0}, "it takes a number in [-4.0, 4.0]"),
+    ({APPS_KEY: "probe", "xmix.steer.coef": 1.0}, "which this request does not choose"),
 ])
 def test_a_bad_choice_is_a_400_and_the_server_keeps_serving(server, facade, xargs, named):
     ids = prompt_ids(facade, PROMPTS[1])

@@ -45,6 +45,9 @@ class App:
     param_sites: dict[str, tuple[str, int]] = field(default_factory=dict)
     version: int = 0
     description: str = ""
+    # scalar params a served request may set, with their bounds: {param: (lowest, highest)} (export
+    # checks that each changes only what a request's value can: docs/serving.md)
+    request_params: dict[str, tuple[float, float]] = field(default_factory=dict)
     # the models it is installed in (model.install / uninstall keep this)
     installed_in: list = field(default_factory=list, init=False, repr=False)
 
@@ -58,6 +61,14 @@ class App:
         for key, value in self.params.items():
             if not isinstance(value, torch.Tensor):
                 raise ValueError(f"app {self.name!r}: param {key!r} must be a tensor, got {type(value).__name__}")
+        for key, bounds in self.request_params.items():
+            value = self.params.get(key)
+            if value is None or value.numel() != 1 or not value.is_floating_point():
+                raise ValueError(f"app {self.name!r}: request_params names {key!r}, which is not a scalar float param")
+            lo, hi = (float(b) for b in bounds)
+            if not lo <= float(value) <= hi:
+                raise ValueError(f"app {self.name!r}: request param {key!r} is {float(value)}, outside its bounds "
+                                 f"[{lo}, {hi}]")
         for key in self.param_sites:
             if key not in self.params:
                 raise ValueError(f"app {self.name!r}: param_sites names {key!r}, which is not in params "

@@ -27,7 +27,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, ValidationError
 
 from .hook_points import feature_shape, hook_names, model_dims
-from .lowered import AffineWrite, GeneratedRead, GeneratedWrite, LoweredOp, Read, TokenOp, TokenProgram
+from .lowered import AffineWrite, GeneratedRead, GeneratedWrite, LoweredOp, Read, TokenOp, TokenProgram, named_tensors
 from .ops import OPS
 
 SCHEMA_VERSION = 1
@@ -53,12 +53,16 @@ class Fingerprint(_Strict):
     config_sha256: str  # of the model's config.json: same shapes, other weights' config still differs
 
 
+Slopes = dict[str, dict[str, str]]  # request param -> {op field: tensor name}: field += (value - default) * slope
+
+
 class AffineWriteSpec(_Strict):
     kind: Literal["affine_write"]
     scale: str  # tensor names in the app's .safetensors
     bias: str
     U: str
     V: str
+    slopes: Slopes = {}  # fields: "bias"
 
 
 class ReadSpec(_Strict):
@@ -84,6 +88,7 @@ class ProgramSpec(_Strict):
 class GeneratedWriteSpec(_Strict):
     kind: Literal["generated_write"]
     program: ProgramSpec
+    slopes: Slopes = {}  # fields: "consts[i]"
 
 
 class GeneratedReadSpec(_Strict):
@@ -91,6 +96,7 @@ class GeneratedReadSpec(_Strict):
     key: tuple[str, str, int]
     program: ProgramSpec
     feature_shape: list[int]
+    slopes: Slopes = {}
 
 
 OpSpec = Annotated[Union[AffineWriteSpec, ReadSpec, GeneratedWriteSpec, GeneratedReadSpec], Field(discriminator="kind")]
@@ -104,12 +110,27 @@ class ReadOutput(_Strict):
     feature_shape: list[int]
 
 
+class RequestParam(_Strict):
+    """A scalar parameter a request may set (`vllm_xargs["xmix.<app>.<name>"]`), within bounds."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_]+$")
+    default: float
+    minimum: float
+    maximum: float
+
+
 class AppSpec(_Strict):
-    name: str = Field(pattern=r"^[A-Za-z0-9_.\-]+$")
+    name: str = Field(pattern=r"^[A-Za-z0-9_\-]+$")  # no ".": a request names `xmix.<app>.<param>`
     version: int
     description: str = ""
     ops: dict[str, list[OpSpec]]  # hook point -> its ops, in order
     reads: list[ReadOutput]
+    params: list[RequestParam] = []
+
+
+def declared(spec: AppSpec) -> dict[str, tuple[float, float, float]]:
+    """An app's request params: {name: (default, lowest, highest)}."""
+    return {p.name: (p.default, p.minimum, p.maximum) for p in spec.params}
 
 
 class Manifest(_Strict):
@@ -135,10 +156,10 @@ def fingerprint(model_dir: Path) -> Fingerprint:
 
 
 # --- writing ------------------------------------------------------------------------------------
-def write(folder: Path, model_dir: Path, apps: list[tuple[str, int, str, dict, dict]]) -> Path:
+def write(folder: Path, model_dir: Path, apps: list[tuple[str, int, str, dict, dict, list]]) -> Path:
     """Write a config for `apps`: (name, version, description, ops by hook point, reads {key:
-    (output, feature shape)}), lowered for the model in `model_dir`. The folder must not exist
-    or be empty."""
+    (output, feature shape)}, request params [(name, default, lowest, highest)]), lowered for the
+    model in `model_dir` (ops carry their params' slopes). The folder must not exist or be empty."""
     from safetensors.torch import save_file
 
     folder = Path(folder)
@@ -146,13 +167,15 @@ def write(folder: Path, model_dir: Path, apps: list[tuple[str, int, str, dict, d
         raise FileExistsError(f"{folder} is not empty; export into a new folder")
     folder.mkdir(parents=True, exist_ok=True)
     specs = []
-    for name, version, description, ops, reads in apps:
+    for name, version, description, ops, reads, params in apps:
         tensors: dict[str, torch.Tensor] = {}
         op_specs = {point: [_op_spec(op, tensors, f"{point}.{i}") for i, op in enumerate(point_ops)]
                     for point, point_ops in ops.items()}
         specs.append(AppSpec(name=name, version=version, description=description, ops=op_specs,
                              reads=[ReadOutput(key=key, output=output, feature_shape=list(shape))
-                                    for key, (output, shape) in reads.items()]))
+                                    for key, (output, shape) in reads.items()],
+                             params=[RequestParam(name=n, default=d, minimum=lo, maximum=hi)
+                                     for n, d, lo, hi in params]))
         save_file({k: t.detach().cpu().contiguous() for k, t in tensors.items()}, folder / f"{name}.safetensors")
     manifest = Manifest(schema_version=SCHEMA_VERSION, model=fingerprint(model_dir), apps=specs)
     (folder / MANIFEST).write_text(manifest.model_dump_json(indent=1))
@@ -168,9 +191,11 @@ def _op_spec(op: LoweredOp, tensors: dict, prefix: str):
 
     if op.positions is not None or getattr(op, "store", None) is not None:
         raise ValueError("an op that selects positions or uses a store is not resident")  # export checked before
+    slopes = {param: {field: ref(f"slope.{param}.{field}", t) for field, t in by_field.items()}
+              for param, by_field in getattr(op, "slopes", {}).items()}
     if isinstance(op, AffineWrite):
         return AffineWriteSpec(kind="affine_write", scale=ref("scale", op.scale), bias=ref("bias", op.bias),
-                               U=ref("U", op.U), V=ref("V", op.V))
+                               U=ref("U", op.U), V=ref("V", op.V), slopes=slopes)
     if isinstance(op, Read):
         return ReadSpec(kind="read", key=op.key, W=ref("W", op.W), bias=ref("bias", op.bias),
                         feature_shape=list(op.feature_shape))
@@ -178,8 +203,9 @@ def _op_spec(op: LoweredOp, tensors: dict, prefix: str):
                           consts=[ref(f"const{i}", c) for i, c in enumerate(op.program.consts)],
                           output=op.program.output)
     if isinstance(op, GeneratedWrite):
-        return GeneratedWriteSpec(kind="generated_write", program=program)
-    return GeneratedReadSpec(kind="generated_read", key=op.key, program=program, feature_shape=list(op.feature_shape))
+        return GeneratedWriteSpec(kind="generated_write", program=program, slopes=slopes)
+    return GeneratedReadSpec(kind="generated_read", key=op.key, program=program, feature_shape=list(op.feature_shape),
+                             slopes=slopes)
 
 
 # --- reading ------------------------------------------------------------------------------------
@@ -225,7 +251,8 @@ def read(folder: Path, model_dir: Path) -> list[tuple[AppSpec, dict[str, list[Lo
                 raise ConfigError(f"app {app.name!r}: ops.{point}: not a hook point the engine places for {family} "
                                   f"models; export the app again")
             F = math.prod(feature_shape(point, SimpleNamespace(**hf)))
-            ops[point] = [_op(app.name, f"ops.{point}[{i}]", spec, tensors, F) for i, spec in enumerate(specs)]
+            ops[point] = [_with_slopes(app, f"ops.{point}[{i}]", spec, _op(app.name, f"ops.{point}[{i}]", spec, tensors,
+                                                                         F), tensors) for i, spec in enumerate(specs)]
         keys = {op.key for point_ops in ops.values() for op in point_ops if hasattr(op, "key")}
         for r in app.reads:
             if r.key not in keys:
@@ -263,6 +290,28 @@ def _op(app: str, where: str, spec, tensors: dict, F: int) -> LoweredOp:
     if isinstance(spec, GeneratedWriteSpec):
         return GeneratedWrite(None, program)
     return GeneratedRead(spec.key, None, True, program, tuple(spec.feature_shape))
+
+
+def _with_slopes(app: AppSpec, where: str, spec, op: LoweredOp, tensors: dict) -> LoweredOp:
+    """The op with its request params' slopes: each names a declared param and a field a request's
+    value can change (a write's bias, a program's consts), with a tensor of that field's shape."""
+    declared = {p.name for p in app.params}
+    named = dict(named_tensors(op))
+    for param, by_field in getattr(spec, "slopes", {}).items():  # a read has none
+        if param not in declared:
+            raise ConfigError(f"app {app.name!r}: {where}.slopes names {param!r}, which params does not declare; "
+                              f"export the app again")
+        for field, name in by_field.items():
+            can_change = field == "bias" if isinstance(op, AffineWrite) else field.startswith("consts[")
+            if not can_change or field not in named:
+                raise ConfigError(f"app {app.name!r}: {where}.slopes.{param}.{field}: a request's value can change a "
+                                  f"write's bias or a program's consts, not {field}; export the app again")
+            slope = tensors.get(name)
+            if slope is None or slope.shape != named[field].shape or not slope.is_floating_point():
+                raise ConfigError(f"app {app.name!r}: {where}.slopes.{param}.{field} ({name}) is missing or not a "
+                                  f"float tensor of shape {list(named[field].shape)}; export the app again")
+            op.slopes.setdefault(param, {})[field] = slope
+    return op
 
 
 def _program(app: str, where: str, spec: ProgramSpec, get) -> TokenProgram:

@@ -6,7 +6,7 @@ position is selected, and is an instance of a kernel template (kernels/): its be
 contents of its tensors, so changing a parameter never changes code.
 """
 import hashlib
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import torch
@@ -21,6 +21,8 @@ class AffineWrite:
     bias: torch.Tensor  # [F], or [B, P, F] when it differs per token (patching from a cache)
     U: torch.Tensor  # [F, K]
     V: torch.Tensor  # [K, F]
+    # per-request parameters (app configs): {param: {"bias": slope}}, bias = bias + (value - default) * slope
+    slopes: dict = field(default_factory=dict)
 
     @property
     def per_token_bias(self) -> bool:
@@ -89,6 +91,8 @@ class GeneratedWrite:
 
     positions: torch.Tensor | None
     program: TokenProgram
+    # per-request parameters (app configs): {param: {"consts[i]": slope}}, as AffineWrite's
+    slopes: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -101,7 +105,16 @@ class GeneratedRead:
     program: TokenProgram
     feature_shape: tuple[int, ...]
     store: object = None  # a StoreSpec: the value goes to that device store instead of the host
+    slopes: dict = field(default_factory=dict)  # as GeneratedWrite's
 LoweredOp = AffineWrite | Read | GeneratedWrite | GeneratedRead
+
+
+def named_tensors(op: LoweredOp) -> list[tuple[str, torch.Tensor]]:
+    """An op's tensors by field name ("scale", "bias", ..., "consts[i]" of a program)."""
+    program = getattr(op, "program", None)
+    if program is not None:
+        return [(f"consts[{i}]", c) for i, c in enumerate(program.consts)]
+    return [(n, t) for n in ("scale", "bias", "U", "V", "W") if (t := getattr(op, n, None)) is not None]
 
 
 def to_device(op: LoweredOp, device, moved: dict | None = None) -> LoweredOp:
@@ -114,11 +127,12 @@ def to_device(op: LoweredOp, device, moved: dict | None = None) -> LoweredOp:
             return t
         return moved[id(t)] if moved and id(t) in moved else t.to(device)
 
+    slopes = {p: {f: move(t) for f, t in by_field.items()} for p, by_field in getattr(op, "slopes", {}).items()}
     if isinstance(op, (GeneratedWrite, GeneratedRead)):
         program = TokenProgram(op.program.ops, [move(c) for c in op.program.consts], op.program.output)
-        return replace(op, program=program)
+        return replace(op, program=program, slopes=slopes)
     fields = {name: move(getattr(op, name)) for name in ("scale", "bias", "U", "V", "W") if hasattr(op, name)}
-    return replace(op, **fields)
+    return replace(op, **fields, **({"slopes": slopes} if isinstance(op, AffineWrite) else {}))
 
 
 def op_digest(op: LoweredOp) -> bytes:

@@ -24,7 +24,7 @@ from . import app_config, attention_points, computed_points, hook_points, stores
 from .app import App, AppRegistry, AppRun, RowGroup, attached, group_rows, merged, resident_reads, snapshot
 from .hook_points import HookPoint
 from .lower import lower
-from .lowered import AffineWrite, GeneratedWrite, Read, describe
+from .lowered import AffineWrite, GeneratedWrite, Read, describe, named_tensors
 from .model_files import resolve_model
 from .passes import PassPlan, PhaseOps
 from .trace import TraceError, Tracer, as_parameters, hook_that_raised, traced_once_for
@@ -128,8 +128,8 @@ class HookedServedModel:
         armed_names = armed if armed == "all" else [hook_points.canonical_name(n) for n in armed]
         configured = app_config.read(config, model_dir) if config is not None else []
         # lowered now, resident while the engine builds its model: before CUDA-graph capture
-        resident = [(spec.name, ops) for spec, ops in configured]
-        resident += [(app.name, model._lower_app(app.name, app.fwd_hooks, getattr(app, "params", None)).ops)
+        resident = [(spec.name, ops, app_config.declared(spec)) for spec, ops in configured]
+        resident += [(app.name, model._lower_app(app.name, app.fwd_hooks, getattr(app, "params", None)).ops, {})
                      for app in apps]
         model.engine = VllmEngine.build(model_dir, torch_dtype, cfg.n_heads,
                                         max_model_len or min(cfg.n_ctx, 2048), enforce_eager, armed_names, resident,
@@ -1096,8 +1096,42 @@ class HookedServedModel:
                 self.app_registry.check_names([app], "export")
                 app = self.app_registry.apps[app]
             traced, reads = self._resident_form(app)
-            forms.append((app.name, app.version, app.description, traced.ops, reads))
+            self._attach_slopes(app, traced.ops)
+            params = [(name, float(app.params[name]), float(lo), float(hi))
+                      for name, (lo, hi) in app.request_params.items()]
+            forms.append((app.name, app.version, app.description, traced.ops, reads, params))
         return app_config.write(path, self.model_dir, forms)
+
+    def _attach_slopes(self, app: App, ops: dict) -> None:
+        """Each request param's effect on the app's lowered ops, as slopes on them: the app lowered
+        again with the param moved by 1 and by 2 must differ from `ops` only in a write's bias or a
+        program's consts, in proportion (a request's value then sets them: control.py). A
+        ValueError names a param that changes anything else."""
+        def lowered_with(name, shift):
+            saved = app.params[name].clone()
+            try:
+                app.params[name].add_(shift)
+                return self._resident_form(app)[0].ops
+            finally:
+                app.params[name].copy_(saved)
+
+        for name in app.request_params:
+            once, twice = lowered_with(name, 1.0), lowered_with(name, 2.0)
+            for point, point_ops in ops.items():
+                for op, op1, op2 in zip(point_ops, once.get(point, []), twice.get(point, []), strict=True):
+                    for (field, t0), (_, t1), (_, t2) in zip(named_tensors(op), named_tensors(op1), named_tensors(op2),
+                                                             strict=True):
+                        slope = t1 - t0
+                        if not bool(slope.any()):
+                            continue
+                        can_change = field == "bias" if isinstance(op, AffineWrite) else field.startswith("consts[")
+                        if not can_change or not torch.allclose(t2 - t0, 2 * slope, rtol=1e-4, atol=1e-6):
+                            how = "out of proportion to its value" if can_change else "(not an added term)"
+                            raise ValueError(
+                                f"app {app.name!r}: request param {name!r} changes {field} of its op at {point} {how}; "
+                                f"a request's value can only move a write's added term or a program's constants in "
+                                f"proportion (act + {name} * v, not act * {name}); drop it from request_params")
+                        op.slopes.setdefault(name, {})[field] = slope
 
     def _install_configured(self, loaded: list) -> None:
         """Apps from a config (app_config.read), resident in the engine since it was built: in the

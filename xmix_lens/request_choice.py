@@ -9,8 +9,8 @@ prompt's last token, where a detector or a probe of the request decides), "last"
 the engine ran), "all" (every position), or "none". A request with no key
 starting with "xmix" is not ours and runs as the server's defaults say. Everything else under
 "xmix" is refused with the reason, never ignored: a typo (`xmix_app`) must not run a request
-without the apps it asked for. Per-request parameters (`xmix.<app>.<param>`) are not served yet
-and are refused too.
+without the apps it asked for. `xmix.<app>.<param>` sets a parameter the app declares for requests
+(a number within its bounds) for this request alone.
 
 `salt` keys the prefix cache by choice: two requests share KV blocks only if they chose the same
 apps of the same config (the API server puts it in the request's `cache_salt`).
@@ -20,7 +20,8 @@ workers (which select the apps for the request's tokens) read a choice the same 
 """
 import hashlib
 import json
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
 
 APPS_KEY = "xmix_apps"
 READS_KEY = "xmix_reads"
@@ -33,8 +34,9 @@ def asks_for_apps(extra_args: dict | None) -> bool:
     return any(str(k).startswith(_OURS) for k in (extra_args or {}))
 
 
-def chosen_apps(extra_args: dict | None, installed: Sequence[str]) -> tuple[str, ...] | None:
-    """The apps a request chose, in install order; None if it says nothing to xmix-lens.
+def chosen_apps(extra_args: dict | None, installed: Sequence[str] | Mapping[str, Mapping]) -> tuple[str, ...] | None:
+    """The apps a request chose, in install order; None if it says nothing to xmix-lens. `installed`:
+    the app names, or {app: {param: (lowest, highest)}} with the parameters each declares for requests.
     A ValueError names what is wrong and how to write it."""
     extra = extra_args or {}
     if not asks_for_apps(extra):
@@ -42,9 +44,7 @@ def chosen_apps(extra_args: dict | None, installed: Sequence[str]) -> tuple[str,
     for key in extra:
         key = str(key)
         if key.startswith(f"{_OURS}.") and key.count(".") >= 2:
-            raise ValueError(f"vllm_xargs[{key!r}]: per-request app parameters are not supported by this "
-                             f"version of xmix-lens; set the value at export (app.set_params) and choose the "
-                             f"app with {APPS_KEY!r}")
+            continue  # a parameter: checked below, once the apps are known
         if key.startswith(_OURS) and key not in (APPS_KEY, READS_KEY):
             raise ValueError(f"vllm_xargs[{key!r}] is not an xmix-lens key; choose apps with "
                              f'{{"{APPS_KEY}": "app1,app2"}} and their reads\' positions with {READS_KEY!r}')
@@ -65,7 +65,33 @@ def chosen_apps(extra_args: dict | None, installed: Sequence[str]) -> tuple[str,
     if unknown:
         raise ValueError(f"vllm_xargs[{APPS_KEY!r}]: no app named {unknown[0]!r} on this server; "
                          f"it serves {list(installed)}")
-    return tuple(n for n in installed if n in names)
+    chosen = tuple(n for n in installed if n in names)
+    declared = installed if isinstance(installed, Mapping) else {}
+    for key, value in extra.items():
+        if not (str(key).startswith(f"{_OURS}.") and str(key).count(".") >= 2):
+            continue
+        app, _, param = str(key)[len(_OURS) + 1:].partition(".")
+        if app not in chosen:
+            raise ValueError(f"vllm_xargs[{key!r}] sets a parameter of {app!r}, which this request does not choose "
+                             f"in {APPS_KEY!r}")
+        bounds = declared.get(app, {}).get(param)
+        if bounds is None:
+            raise ValueError(f"vllm_xargs[{key!r}]: app {app!r} declares no request parameter {param!r}; it declares "
+                             f"{sorted(declared.get(app, {}))}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                or not bounds[0] <= value <= bounds[1]:
+            raise ValueError(f"vllm_xargs[{key!r}] is {value!r}; it takes a number in [{bounds[0]}, {bounds[1]}]")
+    return chosen
+
+
+def chosen_values(extra_args: dict | None) -> dict[str, dict[str, float]]:
+    """{app: {param: value}} a request sets (after chosen_apps has checked them)."""
+    values: dict[str, dict[str, float]] = {}
+    for key, value in (extra_args or {}).items():
+        if str(key).startswith(f"{_OURS}.") and str(key).count(".") >= 2:
+            app, _, param = str(key)[len(_OURS) + 1:].partition(".")
+            values.setdefault(app, {})[param] = float(value)
+    return values
 
 
 def salt(extra_args: dict | None, config_digest: str) -> str | None:
@@ -77,7 +103,8 @@ def salt(extra_args: dict | None, config_digest: str) -> str | None:
     value = extra.get(APPS_KEY, "")
     names = value.split(",") if isinstance(value, str) else value if isinstance(value, list) else [repr(value)]
     choice = sorted({str(n).strip() for n in names} - {""})
-    return "xmix:" + hashlib.sha256(json.dumps([config_digest, choice]).encode()).hexdigest()[:32]
+    values = sorted((app, param, v) for app, params in chosen_values(extra).items() for param, v in params.items())
+    return "xmix:" + hashlib.sha256(json.dumps([config_digest, choice, values]).encode()).hexdigest()[:32]
 
 
 def reads_wanted(extra_args: dict | None) -> str:

@@ -6,12 +6,17 @@ launched over all of the step's tokens, every step, with the same arguments:
 
     rows  = control[op, ROWS, :T]    token t, or -1 where the op leaves the token alone
     dest  = control[op, DEST, :T]    a read's slot in the op's ring (ring slot * max_tokens + t)
+    table = control[op, TABLE, :T]   the row of the op's request-value tables the token uses (0: defaults)
 
 So a CUDA graph captured with the op in it replays correctly whatever requests, apps and
 parameters a later step has: between steps the host only writes buffers.
   - choosing a request's apps (`select`) and activating or deactivating an app: the host's
     per-request app sets, turned into `control` rows before each step (one host-to-device copy);
-  - new parameters (`set_params`): copied into the op's tensors in place.
+  - new parameters (`set_params`): copied into the op's tensors in place;
+  - a request's own values of an app's request params (app configs: `xmix.<app>.<param>`): an op
+    whose bias or program consts move with them holds them as a table, row 0 the defaults, and a
+    request with values gets a row of its own (its slot) while it runs: bias = default +
+    (value - default) * slope, written when the request is selected.
 Nothing is recaptured, restarted or drained for any of these.
 
 Reads (the messenger): a read op writes each live token's value into its ring buffer, slot
@@ -32,14 +37,15 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from xmix_lens.lowered import AffineWrite, GeneratedRead, GeneratedWrite, LoweredOp, Read, op_digest, to_device
+from xmix_lens.lowered import (AffineWrite, GeneratedRead, GeneratedWrite, LoweredOp, Read, TokenOp, TokenProgram,
+                               named_tensors, op_digest, to_device)
 
 from ..executor import Executor
 from .sharding import Placed, on_site
 
 MAX_RESIDENT_OPS = 64  # control rows; also the most apps (one bit each in a request's uint64 mask)
 RING_DEPTH = 2
-ROWS, DEST = 0, 1
+ROWS, DEST, TABLE = 0, 1, 2
 
 
 class ResidentCapacityError(ValueError):
@@ -56,6 +62,7 @@ class ResidentOp:
     captured: bool = False  # launched while a CUDA graph was being captured
     retired: bool = False  # its app was uninstalled; kept only because a captured graph launches it
     placed: Placed | None = None  # at a sharded site of a TP engine: how this rank runs it
+    tables: dict = field(default_factory=dict)  # field ("bias", "consts[i]") -> [slots, ...]: row 0 the default
 
 
 @dataclass(frozen=True)
@@ -74,6 +81,7 @@ class ResidentApp:
     ops: list[ResidentOp]
     version: int = 0
     digest: bytes = b""  # of what its ops do now: the prefix-cache salt of requests that select it
+    params: dict = field(default_factory=dict)  # request params: name -> (default, lowest, highest)
 
     def refresh_digest(self) -> None:
         h = hashlib.sha256()
@@ -112,16 +120,18 @@ class ControlPlane:
     step_count: int = 0
     comm: object = None  # a TP engine's collectives (sharding.TPCollectives), for ops placed as a gather
     delivers: bool = True  # whether this rank sends reads home (TP: rank 0 only)
+    max_requests: int = 256  # requests running at once (vLLM's max_num_seqs): table rows besides the defaults
 
     def __post_init__(self):
         pin = self.device.type == "cuda"
         # its own executor: launches whose arguments are all fixed-address buffers
         self.executor = Executor(self.device, self.max_tokens)
-        self.control = torch.full((MAX_RESIDENT_OPS, 2, self.max_tokens), -1, dtype=torch.int32, device=self.device)
+        self.control = torch.full((MAX_RESIDENT_OPS, 3, self.max_tokens), -1, dtype=torch.int32, device=self.device)
+        self.control[:, TABLE] = 0
         # staged on the host, copied in one piece; two of them, so that a copy still in flight is
         # never overwritten by the next step's preparation
         # (device="cpu" explicitly: vLLM builds the model under a default-device context)
-        self._staging = [torch.full((MAX_RESIDENT_OPS, 2, self.max_tokens), -1, dtype=torch.int32, device="cpu",
+        self._staging = [torch.full((MAX_RESIDENT_OPS, 3, self.max_tokens), -1, dtype=torch.int32, device="cpu",
                                     pin_memory=pin) for _ in range(RING_DEPTH)]
         self._staged_events = [None] * RING_DEPTH
         self.ring_positions = torch.zeros(RING_DEPTH, self.max_tokens, dtype=torch.long, device=self.device)
@@ -131,6 +141,8 @@ class ControlPlane:
         self._request_bits: dict[str, int] = {}  # request id -> the bits of its selected apps
         self._default_bits = 0
         self._idle = True  # the device rows are all -1
+        self._free_slots = list(range(1, self.max_requests + 1))  # table rows for requests' own values
+        self._slot: dict[str, tuple[int, frozenset]] = {}  # request id -> (its table row, apps it set values of)
 
     @property
     def ops(self) -> list[ResidentOp]:
@@ -138,7 +150,7 @@ class ControlPlane:
         return [op for op in self.slots if op is not None]
 
     # --- installing and choosing (between steps) --------------------------------------------------
-    def install(self, name: str, ops_by_site: dict[int, list[LoweredOp]]) -> ResidentApp:
+    def install(self, name: str, ops_by_site: dict[int, list[LoweredOp]], params: dict | None = None) -> ResidentApp:
         if name in self.apps:
             raise ValueError(f"an app named {name!r} is installed already; uninstall it or choose another name")
         count = sum(len(ops) for ops in ops_by_site.values())
@@ -156,7 +168,8 @@ class ControlPlane:
                 op, placed = _unplaced(op)
                 if isinstance(op, Read) and op.W is not None and op.bias is None:
                     op = replace(op, bias=torch.zeros(op.W.shape[1]))  # allocated once, not per launch
-                entry = ResidentOp(name, site, free.pop(0), to_device(op, self.device), placed=placed)
+                op, tables = self._with_tables(name, to_device(op, self.device), placed)
+                entry = ResidentOp(name, site, free.pop(0), op, placed=placed, tables=tables)
                 if isinstance(op, (Read, GeneratedRead)):
                     width = int(np.prod(op.feature_shape, dtype=np.int64))
                     entry.ring = torch.zeros(RING_DEPTH * self.max_tokens, width, device=self.device)
@@ -164,10 +177,31 @@ class ControlPlane:
                 self.slots[entry.index] = entry
                 self.by_site.setdefault(site, []).append(entry)
                 resident.append(entry)
-        app = self.apps[name] = ResidentApp(name, resident)
+        app = self.apps[name] = ResidentApp(name, resident, params=dict(params or {}))
         app.refresh_digest()
         self._bit[name] = min(set(range(MAX_RESIDENT_OPS)) - set(self._bit.values()))
         return app
+
+    def _with_tables(self, app: str, op: LoweredOp, placed) -> tuple[LoweredOp, dict]:
+        """The op with each field its request params move held as a table [slots, ...] (row 0 the
+        default): a write's bias as a per-token bias, a program's const as a `table` op."""
+        fields = {f for by_field in op.slopes.values() for f in by_field} if hasattr(op, "slopes") else set()
+        if not fields:
+            return op, {}
+        if placed is not None:
+            raise ValueError(f"app {app!r}: request params at a hook point split over tensor-parallel ranks are not "
+                             "supported; serve it with tensor_parallel_size 1")
+        slots = self.max_requests + 1
+        if isinstance(op, AffineWrite):
+            table = op.bias.expand(slots, *op.bias.shape).clone()
+            return replace(op, bias=table[:, None]), {"bias": table}
+        consts, ops, tables = list(op.program.consts), list(op.program.ops), {}
+        for f in fields:
+            i = int(f[len("consts["):-1])
+            consts[i] = tables[f] = consts[i].expand(slots, *consts[i].shape).clone()
+        ops = [TokenOp("table", o.args, o.shape) if o.op == "const" and f"consts[{o.args[0]}]" in tables else o
+               for o in ops]
+        return replace(op, program=TokenProgram(ops, consts, op.program.output)), tables
 
     def set_params(self, name: str, ops_by_site: dict[int, list[LoweredOp]]) -> int:
         """New tensors for an installed app's ops, copied in place: same structure, same addresses."""
@@ -206,10 +240,33 @@ class ControlPlane:
         for name in names:
             self._app(name)
 
-    def select(self, req_id: str, names) -> None:
+    def select(self, req_id: str, names, values: dict | None = None) -> None:
+        """A request's apps; `values` {app: {param: value}}: its own values of their request params."""
         self.check_installed(names)
         self.selected[req_id] = frozenset(names)
         self._request_bits[req_id] = self._bits(names)
+        valued = {app: v for app, v in (values or {}).items() if app in names and v}
+        if valued and req_id not in self._slot:
+            if not self._free_slots:
+                raise RuntimeError(f"{self.max_requests} requests with their own app-param values run already")
+            slot = self._free_slots.pop()
+            self._slot[req_id] = (slot, frozenset(valued))
+            for app, by_param in valued.items():
+                params = self.apps[app].params
+                for entry in self.apps[app].ops:
+                    for f, table in entry.tables.items():
+                        row = table[0].clone()
+                        for param, value in by_param.items():
+                            slope = entry.op.slopes.get(param, {}).get(f)
+                            if slope is not None:
+                                row += (value - params[param][0]) * slope
+                        table[slot].copy_(row)
+
+    def release_values(self, req_id: str) -> None:
+        """A request stops running: its table row is free (its choice may stay, for its reads)."""
+        slot = self._slot.pop(req_id, None)
+        if slot is not None:
+            self._free_slots.append(slot[0])
 
     def set_defaults(self, names) -> None:
         self.check_installed(names)
@@ -222,6 +279,7 @@ class ControlPlane:
         self.selected.pop(req_id, None)
         self._request_bits.pop(req_id, None)
         self.results.pop(req_id, None)
+        self.release_values(req_id)
 
     def take_results(self, req_id: str) -> dict:
         """Each read's values for a request, by (app, read key): (positions [n], values [n, width])."""
@@ -268,7 +326,8 @@ class ControlPlane:
         # a step with no app resets every row (idle steps after it skip the copy); others the step's
         width = max(n_padded or n_tokens, n_tokens) if request_bits.any() else self.max_tokens
         rows_used = len(self.slots)
-        staging[:rows_used, :, :width] = -1
+        staging[:rows_used, ROWS:TABLE, :width] = -1
+        staging[:rows_used, TABLE, :width] = 0
         tokens = np.arange(n_tokens, dtype=np.int32)
         token_bits = np.repeat(request_bits, np.diff(query_start))
         live: dict[int, np.ndarray] = {}
@@ -279,6 +338,11 @@ class ControlPlane:
             if not on.any():
                 continue
             staging[op.index, ROWS, :n_tokens] = torch.from_numpy(np.where(on, tokens, -1))
+            if op.tables and self._slot:
+                own = np.fromiter((slot if op.app in apps else 0
+                                   for slot, apps in (self._slot.get(r, (0, ())) for r in req_ids)),
+                                  dtype=np.int32, count=len(req_ids))
+                staging[op.index, TABLE, :n_tokens] = torch.from_numpy(np.repeat(own, np.diff(query_start)))
             if op.ring is not None:
                 staging[op.index, DEST, :n_tokens] = torch.from_numpy(tokens + slot * self.max_tokens)
                 live[op.index] = (on, op)
@@ -307,11 +371,13 @@ class ControlPlane:
         for entry in ops:
             entry.captured |= capturing
             rows = self.control[entry.index, ROWS, :T]
+            tables = self.control[entry.index, TABLE, :T] if entry.tables else None
             with on_site(entry.placed, x, self.comm) as x_op:  # a gather plan: the whole row
                 if entry.ring is None:
-                    self.executor.run(entry.op, x_op, rows)
+                    self.executor.run(entry.op, x_op, rows, tables)
                 else:
-                    self.executor.run(entry.op, x_op, rows, out=entry.ring, dest=self.control[entry.index, DEST, :T])
+                    self.executor.run(entry.op, x_op, rows, tables, out=entry.ring,
+                                      dest=self.control[entry.index, DEST, :T])
 
     # --- the messenger ----------------------------------------------------------------------------
     def _queue_home(self) -> None:
@@ -389,9 +455,7 @@ def _check_resident(app: str, op: LoweredOp) -> None:
 
 
 def _tensors(op: LoweredOp) -> list[torch.Tensor]:
-    if isinstance(op, (GeneratedWrite, GeneratedRead)):
-        return list(op.program.consts)
-    return [t for t in (getattr(op, n, None) for n in ("scale", "bias", "U", "V", "W")) if t is not None]
+    return [t for _, t in named_tensors(op)]
 
 
 def _structure(op: LoweredOp) -> tuple:

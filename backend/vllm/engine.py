@@ -40,22 +40,23 @@ class VllmEngine:
 
     @classmethod
     def build(cls, model_dir, dtype: torch.dtype, n_heads: int, max_model_len: int,
-              enforce_eager: bool, armed, apps: list[tuple[str, dict]], d_vocab: int,
+              enforce_eager: bool, armed, apps: list[tuple[str, dict, dict]], d_vocab: int,
               **engine_kwargs) -> "VllmEngine":
         """An in-process vLLM engine with `armed` hook points compiled in ("all", or names) and
-        `apps` (name, lowered ops per hook point) resident from the start, so that its CUDA graphs
+        `apps` (name, lowered ops per hook point, request params) resident from the start, so that its CUDA graphs
         contain them. Everything is checked before vLLM starts."""
         from vllm import LLM
 
         _check_parallel_layout(n_heads, engine_kwargs)
-        for name, ops in apps:  # refused now, not halfway through building the engine
+        for name, ops, _ in apps:  # refused now, not halfway through building the engine
             control.check_resident(name, ops)
         xmix_config = {"armed": armed}
         with tempfile.TemporaryDirectory(prefix="xmix-apps-") as folder:
             if apps:  # an app config, as `vllm serve` loads one: a TP engine builds its model in worker processes
                 xmix_config["facade"] = True  # its requests come from this process, not an API server
                 xmix_config["config"] = str(app_config.write(os.path.join(folder, "config"), model_dir,
-                                                            [(name, 0, "", ops, {}) for name, ops in apps]))
+                                                            [(name, 0, "", ops, {}, [(p, *v) for p, v in params.items()])
+                                                             for name, ops, params in apps]))
             llm = LLM(model=str(model_dir), dtype=str(dtype).removeprefix("torch."), enforce_eager=enforce_eager,
                       max_model_len=max_model_len, skip_tokenizer_init=True,
                       additional_config={"xmix_lens": xmix_config}, **engine_kwargs)

@@ -40,8 +40,9 @@ def armed_sites(vllm_config, family: str, n_layers: int) -> set[str]:
     return set(every) if armed == "all" else set(armed) & set(every)
 
 
-def configured_apps(vllm_config) -> list[tuple[str, dict]]:
-    """(name, ops by hook point) of the apps in the engine's app config, checked against its model."""
+def configured_apps(vllm_config) -> list[tuple[str, dict, dict]]:
+    """(name, ops by hook point, request params) of the apps in the engine's app config, checked
+    against its model."""
     xmix = _xmix_config(vllm_config)
     folder = xmix.get("config")
     if folder is None:
@@ -51,9 +52,10 @@ def configured_apps(vllm_config) -> list[tuple[str, dict]]:
             "an engine serving an xmix-lens app config needs its API server to check and salt requests' app "
             "choices (the xmix_lens endpoint plugin, which vLLM loads only when VLLM_PLUGINS names it): start the "
             "server with `xmix-lens serve`, or set VLLM_PLUGINS=xmix_lens")
-    apps = [(spec.name, ops) for spec, ops in app_config.read(folder, vllm_config.model_config.model)]
-    logger.info("xmix-lens: installing apps %s from %s at %s", [name for name, _ in apps], folder,
-                sorted({point for _, ops in apps for point in ops}))
+    apps = [(spec.name, ops, app_config.declared(spec))
+            for spec, ops in app_config.read(folder, vllm_config.model_config.model)]
+    logger.info("xmix-lens: installing apps %s from %s at %s", [name for name, _, _ in apps], folder,
+                sorted({point for _, ops, _ in apps for point in ops}))
     return apps
 
 
@@ -79,12 +81,13 @@ class _Instrumented:
         hf_config = vllm_config.model_config.hf_config
         n_layers = hf_config.num_hidden_layers
         apps = configured_apps(vllm_config)
-        armed = armed_sites(vllm_config, self.family, n_layers) | {point for _, ops in apps for point in ops}
+        armed = armed_sites(vllm_config, self.family, n_layers) | {point for _, ops, _ in apps for point in ops}
         names = install_sites(self, self.family, n_layers, armed)
         world = get_tensor_model_parallel_world_size()
         self.xmix_runtime = SiteRuntime(self.family, names, armed, torch.device(vllm_config.device_config.device),
                                         _max_step_tokens(vllm_config), apps, get_tensor_model_parallel_rank(),
-                                        world, _shard_widths(self.family, names, hf_config, world))
+                                        world, _shard_widths(self.family, names, hf_config, world),
+                                        vllm_config.scheduler_config.max_num_seqs)
         adapter.register_site_runtime(vllm_config, self.xmix_runtime)
         runner, worker = adapter.building_model()
         if runner is not None:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from xmix_lens.lowered import AffineWrite, GeneratedRead, GeneratedWrite, LoweredOp, Read, to_device
-from xmix_lens.request_choice import chosen_apps, reads_wanted
+from xmix_lens.request_choice import chosen_apps, chosen_values, reads_wanted
 
 from ..executor import Executor
 from . import adapter, sharding
@@ -88,7 +88,7 @@ class StepTokens:
 class SiteRuntime:
     def __init__(self, family: str, site_names: list[str], armed: set[str], device: torch.device,
                  max_tokens: int, apps: list = (), tp_rank: int = 0, tp_world: int = 1,
-                 shard_widths: dict[str, int | None] | None = None) -> None:
+                 shard_widths: dict[str, int | None] | None = None, max_requests: int = 256) -> None:
         self.family, self.site_names, self.armed = family, site_names, armed
         self.site_id = {name: i for i, name in enumerate(site_names)}
         self.model_runner = None  # bound by the facade: where the step's request order comes from
@@ -100,7 +100,8 @@ class SiteRuntime:
         self.comm = sharding.TPCollectives() if tp_world > 1 else None
         self.executor = Executor(device, max_tokens)  # Triton kernels on a GPU, their torch twins on the CPU
         # installed apps: resident ops, graph-safe (control.py); rank 0 alone delivers reads
-        self.control = ControlPlane(device, max_tokens, comm=self.comm, delivers=tp_rank == 0)
+        self.control = ControlPlane(device, max_tokens, comm=self.comm, delivers=tp_rank == 0,
+                                    max_requests=max_requests)
         # whether the model runner prepares the control plane before each step (vLLM 0.26's GPU
         # runner, where a replayed CUDA graph skips the model's forward); else the forward does
         self.runner_prepares_steps = False
@@ -108,18 +109,20 @@ class SiteRuntime:
         self.served: set[str] = set()  # requests whose own vllm_xargs chose their apps
         self.reading: dict[str, tuple[str, int]] = {}  # those whose reads go back: (which positions, prompt length)
         self.finished_reading: dict[str, None] = {}  # finished, their reads not fetched yet (oldest first)
-        for name, ops_by_hook_point in apps:
-            self.install_app(name, ops_by_hook_point)
+        for name, ops_by_hook_point, params in apps:
+            self.install_app(name, ops_by_hook_point, params)
         self.passes: dict[int, Pass] = {}
         self.step: StepTokens | None = None
         self._next_pass_id = 0
 
     # --- what the driver calls (between steps) ---------------------------------------------------
-    def install_app(self, name: str, ops_by_hook_point: dict[str, list[LoweredOp]]) -> AppInfo:
+    def install_app(self, name: str, ops_by_hook_point: dict[str, list[LoweredOp]],
+                    params: dict[str, tuple[float, float, float]] | None = None) -> AppInfo:
+        """Make an app resident; `params`: {name: (default, lowest, highest)} that requests may set."""
         unarmed = sorted(set(ops_by_hook_point) - self.armed)
         if unarmed:
             raise RuntimeError(f"hook points not armed in this engine: {unarmed}")
-        return self.control.install(name, self._place_all(ops_by_hook_point, resident=True)).info()
+        return self.control.install(name, self._place_all(ops_by_hook_point, resident=True), params or {}).info()
 
     def set_app_params(self, name: str, ops_by_hook_point: dict[str, list[LoweredOp]]) -> AppInfo:
         self.control.set_params(name, self._place_all(ops_by_hook_point, resident=True))
@@ -138,6 +141,7 @@ class SiteRuntime:
         for req_id in self.served & finished:
             if req_id in self.reading:  # kept selected until fetched: its last steps' reads are still filed
                 self.finished_reading[req_id] = None
+                self.control.release_values(req_id)
             else:
                 self.control.forget(req_id)
         self.served -= finished
@@ -145,10 +149,12 @@ class SiteRuntime:
             self._forget_served(next(iter(self.finished_reading)))
         if not self.control.apps:
             return
+        declared = {name: {p: bounds for p, (_, *bounds) in app.params.items()}
+                    for name, app in self.control.apps.items()}
         for req_id, extra_args, prompt_len in new:
-            names = chosen_apps(extra_args, list(self.control.apps))
+            names = chosen_apps(extra_args, declared)
             if names is not None:
-                self.control.select(req_id, names)
+                self.control.select(req_id, names, chosen_values(extra_args))
                 self.served.add(req_id)
                 wanted = reads_wanted(extra_args)
                 if wanted != "none" and any(self.control.apps[name].info().reads for name in names):

@@ -46,6 +46,7 @@ class ServedConfig(NamedTuple):
     reading: frozenset[str]  # apps with reads
     digest: str  # of the manifest: salts differ across configs
     outputs: dict = {}  # (app, read key) -> (output name, feature shape)
+    params: dict = {}  # app -> {request param: (lowest, highest)}
 
 
 _served: ServedConfig | None = None  # this API-server process's, set by AppsEndpoint.init_state
@@ -61,8 +62,9 @@ def load_served(folder: str, model: str) -> ServedConfig:
     apps = app_config.read(folder, model)  # the engine's own loader and checks
     digest = hashlib.sha256((Path(folder) / app_config.MANIFEST).read_bytes()).hexdigest()
     outputs = {(spec.name, tuple(r.key)): (r.output, tuple(r.feature_shape)) for spec, _ in apps for r in spec.reads}
+    params = {spec.name: {p.name: (p.minimum, p.maximum) for p in spec.params} for spec, _ in apps}
     return ServedConfig(tuple(spec.name for spec, _ in apps), frozenset(spec.name for spec, _ in apps if spec.reads),
-                        digest, outputs)
+                        digest, outputs, params)
 
 
 class AppsEndpoint:
@@ -102,7 +104,7 @@ def checked(body: bytes, path: str) -> tuple[bytes, bool]:
         raise BadChoice("this server takes no app choices (vllm_xargs with xmix keys): it serves no xmix-lens app "
                         "config. Start it with `xmix-lens serve DIR -- MODEL ...`")
     try:
-        names = chosen_apps(xargs, _served.names)
+        names = chosen_apps(xargs, {name: _served.params.get(name, {}) for name in _served.names})
     except ValueError as e:
         raise BadChoice(str(e)) from None
     if path not in SALTED_PATHS:

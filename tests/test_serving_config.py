@@ -269,16 +269,19 @@ def test_reads_come_back_with_the_completion(server, facade):
         torch.testing.assert_close(torch.tensor(score["values"]), steered[score["positions"]], atol=1e-4, rtol=1e-4)
         assert not torch.allclose(steered, probe_oracle(facade, sequence))  # the steer ran before the probe read
     # by default only the prompt's last position comes back; "last": the latest position the engine ran
-    for wanted, position in [("prompt_end", lambda ids, r: len(ids) - 1), ("last", lambda ids, r: r[-1])]:
+    # by default only the prompt's last position comes back; "last": the latest position the engine
+    # ran (the last generated token's when the engine computed it, else the one before)
+    for wanted in ["prompt_end", "last"]:
         xargs = {APPS_KEY: "steer,probe", **({READS_KEY: wanted} if wanted != "prompt_end" else {})}
         small = server.client().completions.create(
             model=str(tiny_llama()), prompt=prompts[0], max_tokens=MAX_TOKENS, temperature=0,
-            extra_body={"ignore_eos": True, "vllm_xargs": xargs}).model_extra["xmix_reads"][0]["apps"]["probe"]["score"]
-        whole = reads[0]["apps"]["probe"]["score"]
-        at = position(prompts[0], whole["positions"])
-        assert small["positions"] == [at]
-        there = whole["values"][whole["positions"].index(at)]
-        torch.testing.assert_close(torch.tensor(small["values"]), torch.tensor([there]))
+            extra_body={"return_token_ids": True, "ignore_eos": True, "vllm_xargs": xargs})
+        score = small.model_extra["xmix_reads"][0]["apps"]["probe"]["score"]
+        sequence = prompts[0] + small.choices[0].token_ids
+        allowed = [len(prompts[0]) - 1] if wanted == "prompt_end" else [len(sequence) - 2, len(sequence) - 1]
+        assert len(score["positions"]) == 1 and score["positions"][0] in allowed
+        steered = facade.run_with_hooks(torch.tensor([sequence]), apps=["steer", "probe"]).outputs["probe"]["score"][0]
+        torch.testing.assert_close(torch.tensor(score["values"]), steered[score["positions"]], atol=1e-4, rtol=1e-4)
 
 
 def test_reads_come_back_at_the_end_of_a_stream(server, facade):

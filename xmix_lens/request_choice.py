@@ -13,7 +13,7 @@ without the apps it asked for. `xmix.<app>.<param>` sets a parameter the app dec
 (a number within its bounds) for this request alone.
 
 `salt` keys the prefix cache by choice: two requests share KV blocks only if they chose the same
-apps of the same config (the API server puts it in the request's `cache_salt`).
+apps, with the same param values, of the same config (the API server puts it in `cache_salt`).
 
 The parsing lives here, without vLLM: the API server (which answers HTTP 400) and the engine's
 workers (which select the apps for the request's tokens) read a choice the same way.

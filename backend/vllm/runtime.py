@@ -147,7 +147,7 @@ class SiteRuntime:
         self.served -= finished
         while len(self.finished_reading) > READS_KEPT:
             self._forget_served(next(iter(self.finished_reading)))
-        if not self.control.apps:
+        if not new or not self.control.apps:  # most steps: nothing newly scheduled
             return
         declared = {name: {p: bounds for p, (_, *bounds) in app.params.items()}
                     for name, app in self.control.apps.items()}

@@ -7,10 +7,10 @@ API-server process and adds `CheckChoices`, a middleware that sees every request
 parses it. A request whose `vllm_xargs` say anything to xmix-lens is
   - answered HTTP 400 in vLLM's error shape if the choice is bad (request_choice.chosen_apps), or
     if it came to an endpoint other than completions and chat completions;
-  - else given a prefix-cache salt of its choice (request_choice.salt; the client's own salt kept
-    in front), so that KV blocks are shared only between requests that chose the same apps. A
-    request choosing an app that reads gets a salt of its own: it computes every position, and its
-    reads cover every position they promise.
+  - else given a prefix-cache salt of its choice (request_choice.salt: its apps and param values;
+    the client's own salt kept in front), so that KV blocks are shared only between requests that
+    chose the same. A request that wants every position's reads gets a salt of its own: it computes
+    every position, and its reads cover every position they promise.
 Then the engine's workers select the apps for each request's tokens from the same `vllm_xargs`
 (adapter._follow_request_choices). The response of a request that wants reads (`WithReads`) gets them,
 fetched from the workers by collective RPC once the response is complete.
@@ -183,7 +183,10 @@ class WithReads:
         chunk = message.get("body", b"")
         if self.request_id is None and b"data: {" in chunk:
             event = chunk[chunk.index(b"data: {") + 6:].split(b"\n", 1)[0]
-            self.request_id = json.loads(event).get("id")
+            try:
+                self.request_id = json.loads(event).get("id")
+            except ValueError:  # an event split over chunks: the next one names the request too
+                pass
         done = chunk.find(b"data: [DONE]")
         if done >= 0 and self.request_id is not None:
             reads = {"id": self.request_id, "object": "xmix.reads", "choices": [],

@@ -1,6 +1,7 @@
 """App configs (xmix_lens/app_config.py): export -> load -> install gives the original apps' results
 bit for bit, and every kind of bad config is refused before an engine starts, naming the app, the
 field and the fix."""
+import contextlib
 import json
 import pickle
 
@@ -36,21 +37,28 @@ def make_apps(d_model: int) -> list[App]:
                 params=gate, request_params={"gain": (0.0, 8.0)})]
 
 
+@contextlib.contextmanager
+def installed(model, apps: list[App]):
+    """The model with the apps installed, for a block (uninstalled after it)."""
+    for app in apps:
+        model.install(app)
+    try:
+        yield model
+    finally:
+        for app in apps:
+            model.uninstall(app.name)
+
+
 @pytest.fixture(scope="module")
 def exported(served, tmp_path_factory):
     """The apps installed in the session's tiny Llama, their results there, and their config."""
     model = served["tiny-llama"]
     apps = make_apps(model.cfg.d_model)
-    for app in apps:
-        model.install(app)
-    try:
+    with installed(model, apps):
         names = [app.name for app in apps]
         results = (model.run_with_hooks(PROMPTS, apps=names),
                    model.generate(PROMPTS, max_new_tokens=5, do_sample=False, apps=["steer", "gate"]))
         folder = model.export(names, tmp_path_factory.mktemp("config") / "apps")
-    finally:
-        for app in apps:
-            model.uninstall(app.name)
     return results, folder
 
 

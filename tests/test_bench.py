@@ -53,3 +53,20 @@ def test_harness_runs_every_mode_and_the_modes_do_what_they_claim(tmp_path):
     assert not any(same["steer"]) and not any(same["seven"])  # active apps do change the output
     assert all(same["steer_vs_eager_hook"])  # the installed steering app equals a torch forward hook
     assert result["command"].startswith("python -m bench.serving")
+
+
+def test_evaluation_harness_runs_every_mode_and_eval_serves_what_native_does(tmp_path):
+    """bench/evaluation.py at toy size: rows/s of each mode, eval without apps generating exactly
+    native vLLM's tokens, and the steering app changing them."""
+    from bench import evaluation
+
+    out = tmp_path / "eval.json"
+    evaluation.main(["--model", str(tiny_llama()), "--toy", "--eager-engines", "--repeats", "2", "--dtype", "float32",
+                     "--max-model-len", "128", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert set(result["summary"]) == set(evaluation.MODES)
+    for mode, runs in result["runs"].items():
+        assert len(runs) == 2 and all(r["rows_per_s"] > 0 for r in runs)
+    assert result["eval_none_tokens_equal_native"] == [True, True]
+    assert result["eval_steer_tokens_differ"] == [True, True]
+    assert result["command"].startswith("python -m bench.evaluation")

@@ -20,7 +20,7 @@ import openai
 import pytest
 import torch
 
-from tests.test_app_config import make_apps
+from tests.test_app_config import installed, make_apps
 from tests.tiny_models import tiny_llama
 from xmix_lens.model import IN_PROCESS_ENVIRONMENT
 from xmix_lens.request_choice import APPS_KEY, READS_KEY
@@ -132,12 +132,8 @@ def server(config, tmp_path_factory):
 def facade(served):
     """The session's in-process engine with the same apps installed: what each choice must give."""
     model = served["tiny-llama"]
-    apps = make_apps(model.cfg.d_model)
-    for app in apps:
-        model.install(app)
-    yield model
-    for app in apps:
-        model.uninstall(app.name)
+    with installed(model, make_apps(model.cfg.d_model)):
+        yield model
 
 
 def prompt_ids(model, text: str) -> list[int]:

@@ -12,7 +12,7 @@ _EXPORTS = {
     "ActivationCache": "cache", "App": "app", "AppRun": "app", "HookPoint": "hook_points",
     "HookedServedModel": "model", "HookedTransformer": "model",
     "NonFiniteError": "model", "TraceError": "trace", "store": "stores", "topk_mask": "functional",
-    "export": "model",
+    "export": "model", "evaluate": "evaluation",
 }
 __all__ = sorted(_EXPORTS)
 

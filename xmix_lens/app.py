@@ -142,6 +142,9 @@ class AppRegistry:
         self.lowered_versions: dict[str, tuple] = {}
         # name -> a resident app's graphs, its parameters as named inputs: set_params lowers them again
         self.graphs: dict[str, list] = {}
+        # name -> {param: (lowest, highest)}: what a request may set for itself (apps from an app config,
+        # whose request params the engine holds per-request tables for: backend/vllm/control.py)
+        self.request_params: dict[str, dict[str, tuple[float, float]]] = {}
 
     def check_names(self, names: Iterable[str], where: str) -> list[str]:
         names = [names] if isinstance(names, str) else list(names)

@@ -1,13 +1,14 @@
 """The `xmix-lens` command. `xmix-lens demo` runs TransformerLens-style hooks on SmolLM2 in vLLM;
-`xmix-lens export` writes apps as an app config; `xmix-lens serve` starts `vllm serve` with one."""
+`xmix-lens export` writes apps as an app config; `xmix-lens serve` starts `vllm serve` with one;
+`xmix-lens eval` runs the rows of a JSONL file with their apps; `xmix-lens plot` draws a sweep's curve."""
 import argparse
 import importlib
+import importlib.util
 import json
 import os
 import sys
+import tempfile
 import time
-
-import torch
 
 POSITIVE = ["I love this, it is wonderful", "What a happy, joyful day", "This is great and I am glad",
             "She smiled with delight"]
@@ -15,7 +16,7 @@ NEGATIVE = ["I hate this, it is awful", "What a sad, miserable day", "This is te
             "She frowned with disgust"]
 
 
-def top_tokens(model, logits: torch.Tensor, k: int = 5) -> str:
+def top_tokens(model, logits, k: int = 5) -> str:
     p, ids = logits.softmax(-1).topk(k)
     return ", ".join(f"{model.tokenizer.decode([i])!r} {q:.2f}" for q, i in zip(p.tolist(), ids.tolist()))
 
@@ -75,19 +76,90 @@ def demo(args) -> None:
           "the affine-write / read templates, and run inside vLLM's forward; print(model.explain(...)) shows how.")
 
 
+def load_apps(spec: str):
+    """`module:attribute` or `file.py:attribute`: a list of Apps, or a function of the model returning one."""
+    module, _, attribute = spec.partition(":")
+    if not attribute or not module:
+        raise SystemExit(f"--apps {spec!r}: use module:attribute or file.py:attribute (a list of xmix_lens.App, or "
+                         f"a function taking the model and returning one)")
+    if module.endswith(".py"):
+        if not os.path.isfile(module):
+            raise SystemExit(f"--apps {spec!r}: no file {module}")
+        loaded = importlib.util.spec_from_file_location(os.path.basename(module)[:-3], module)
+        source = importlib.util.module_from_spec(loaded)
+        loaded.loader.exec_module(source)
+    else:
+        sys.path.insert(0, os.getcwd())  # as `python -m` finds modules of the current folder
+        source = importlib.import_module(module)
+    if not hasattr(source, attribute):
+        raise SystemExit(f"--apps {spec!r}: {module} has no {attribute!r}")
+    return getattr(source, attribute)
+
+
 def export(args) -> None:
     """Apps from `module:attribute` (a list of Apps, or a function of the model returning one),
     built on the model, written as an app config."""
     from . import HookedTransformer
 
-    module, _, attribute = args.apps.partition(":")
-    if not attribute:
-        raise SystemExit(f"--apps {args.apps!r}: use module:attribute (a list of xmix_lens.App, or a function "
-                         f"taking the model and returning one)")
-    apps = getattr(importlib.import_module(module), attribute)
+    apps = load_apps(args.apps)
     model = HookedTransformer.from_pretrained(args.model, enforce_eager=True, max_model_len=256)
     apps = apps(model) if callable(apps) else apps
     print(f"wrote {model.export(apps, args.out)}: {', '.join(app.name for app in apps)}")
+
+
+def evaluate(args) -> None:
+    """Rows of a JSONL file through the model with their apps (xmix_lens/evaluate.py)."""
+    from . import app_config, evaluation
+    from .model import HookedTransformer
+    from .model_files import resolve_model
+
+    if args.config and args.apps:
+        raise SystemExit("eval takes --config (an exported app config) or --apps (apps from Python), not both")
+    if not os.path.isfile(args.input):
+        raise SystemExit(f"--input {args.input}: no such file")
+    if not args.resume and os.path.exists(args.output) and os.path.getsize(args.output):
+        raise SystemExit(f"--output {args.output} exists and is not empty: pass --resume to continue it, or choose "
+                         f"another file")
+    try:
+        sweeps = [evaluation.Sweep.parse(s) for s in args.sweep]
+        evaluation.sweep_points(sweeps)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    with tempfile.TemporaryDirectory(prefix="xmix-eval-") as folder:
+        config = args.config
+        if args.apps:  # exported first, so that the apps and their request params run as a served config does
+            apps = load_apps(args.apps)
+            model = HookedTransformer.from_pretrained(args.model, enforce_eager=True, max_model_len=args.max_model_len)
+            config = model.export(apps(model) if callable(apps) else apps, os.path.join(folder, "apps"))
+            model.shutdown()
+            del model
+        if config:  # sweeps checked against the config before the engine starts
+            declared = {spec.name: {p.name: (p.minimum, p.maximum) for p in spec.params}
+                        for spec, _ in app_config.read(config, resolve_model(args.model))}
+            try:
+                for sweep in sweeps:
+                    sweep.check(declared)
+            except ValueError as e:
+                raise SystemExit(str(e)) from None
+        model = HookedTransformer.from_pretrained(args.model, enforce_eager=args.eager, config=config,
+                                                  max_model_len=args.max_model_len)
+    try:
+        summary = evaluation.evaluate(model, args.input, args.output, sweeps, resume=args.resume,
+                                      progress=not args.no_progress, max_new_tokens=args.max_new_tokens,
+                                      temperature=args.temperature, seed=args.seed)
+    except KeyboardInterrupt:
+        print(f"\ninterrupted: every finished record is in {args.output}; continue with --resume", file=sys.stderr)
+        raise SystemExit(130) from None
+    print(summary)
+
+
+def plot(args) -> None:
+    from .evaluation import plot as plot_curve
+
+    try:
+        print(f"wrote {plot_curve(args.results, args.x, args.y, args.out)}")
+    except (ValueError, OSError) as e:
+        raise SystemExit(str(e)) from None
 
 
 def serve_command(config: str, vllm_args: list[str]) -> list[str]:
@@ -133,10 +205,31 @@ def main(argv=None) -> None:
     s = sub.add_parser("serve", help="vllm serve with an app config: xmix-lens serve DIR -- MODEL [vLLM args]")
     s.add_argument("config", help="an app config folder (xmix-lens export)")
     s.add_argument("vllm_args", nargs=argparse.REMAINDER, help="after --: vllm serve's arguments, the model first")
+    v = sub.add_parser("eval", help="rows of a JSONL file through the model with their apps (docs/user-guide.md)")
+    v.add_argument("--model", default="smollm2-135m", help="embedded model name or a local HF folder")
+    v.add_argument("--config", help="an app config folder (xmix-lens export): the apps rows may choose")
+    v.add_argument("--apps", help="or apps from Python: module:attribute or file.py:attribute (exported first)")
+    v.add_argument("--input", required=True, help="JSONL rows: id, prompt or messages, optional target, apps, "
+                                                  "params, reads, max_new_tokens, temperature, top_k, top_p, seed")
+    v.add_argument("--output", required=True, help="JSONL records, appended as rows finish")
+    v.add_argument("--sweep", action="append", default=[], metavar="APP.PARAM=V1,V2,...",
+                   help="run every row with APP chosen and PARAM at each value (repeat for a grid)")
+    v.add_argument("--resume", action="store_true", help="continue an output file: skip the records it has")
+    v.add_argument("--max-new-tokens", type=int, default=16, help="for rows that do not say (default 16)")
+    v.add_argument("--temperature", type=float, default=0.0, help="for rows that do not say (default 0: greedy)")
+    v.add_argument("--seed", type=int, default=0, help="sampling rows without a seed of their own get one from it")
+    v.add_argument("--max-model-len", type=int, default=2048)
+    v.add_argument("--eager", action="store_true", help="vLLM enforce_eager (faster start, slower runs)")
+    v.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p = sub.add_parser("plot", help="a swept parameter's curve from an eval results file, as a PNG")
+    p.add_argument("results", help="an xmix-lens eval output (JSONL)")
+    p.add_argument("--x", required=True, help="the swept parameter, APP.PARAM")
+    p.add_argument("--y", required=True, help="a score (logprob, loss, without_apps.logprob) or reads.APP.OUTPUT")
+    p.add_argument("--out", required=True, help="the PNG to write")
     args = parser.parse_args(argv)
     if args.command == "serve" and args.vllm_args[:1] == ["--"]:
         args.vllm_args = args.vllm_args[1:]
-    {"demo": demo, "export": export, "serve": serve}[args.command](args)
+    {"demo": demo, "export": export, "serve": serve, "eval": evaluate, "plot": plot}[args.command](args)
 
 
 if __name__ == "__main__":

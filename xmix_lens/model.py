@@ -680,10 +680,7 @@ class HookedServedModel:
             raise ValueError("max_new_tokens must be at least 1")
         tokens, _, rows, offsets = self._rows(input, prepend_bos, padding_side, None)
         self._check_length(max(len(r) for r in rows) + max_new_tokens)
-        sampling = {"temperature": temperature if do_sample else 0.0, "top_k": top_k if do_sample and top_k else 0,
-                    "top_p": top_p if do_sample and top_p else 1.0, "seed": seed, "ignore_eos": not stop_at_eos}
-        if eos_token_id is not None:
-            sampling["stop_token_ids"] = [eos_token_id]
+        sampling = sampling_settings(do_sample, top_k, top_p, temperature, seed, stop_at_eos, eos_token_id)
         selection = self.app_registry.selection(apps, len(rows))
         self._sync_resident(selection)
         B, P = tokens.shape
@@ -1145,6 +1142,7 @@ class HookedServedModel:
             reg.apps[spec.name] = app
             reg.resident[spec.name] = {r.key: (r.output, tuple(r.feature_shape)) for r in spec.reads}
             reg.lowered_versions[spec.name], reg.graphs[spec.name] = (), []
+            reg.request_params[spec.name] = {p.name: (p.minimum, p.maximum) for p in spec.params}
             app.installed_in.append(self)
 
     def uninstall(self, name: str) -> App:
@@ -1154,6 +1152,7 @@ class HookedServedModel:
         if reg.resident.pop(name, None) is not None:
             self.engine.uninstall_app(name)
             del reg.lowered_versions[name], reg.graphs[name]
+        reg.request_params.pop(name, None)
         app = reg.apps.pop(name)
         app.installed_in.remove(self)
         return app
@@ -1258,6 +1257,16 @@ class _Call:
 # CPU platform sizes the cache from the NUMA node and fails). Set for the in-process engine only, not
 # at import: a `vllm serve` that loads xmix-lens as a plugin keeps its own settings.
 IN_PROCESS_ENVIRONMENT = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+
+
+def sampling_settings(do_sample: bool, top_k: int | None, top_p: float | None, temperature: float, seed: int | None,
+                      stop_at_eos: bool, eos_token_id: int | None = None) -> dict:
+    """vLLM's SamplingParams fields for TransformerLens's generate arguments (greedy unless do_sample)."""
+    sampling = {"temperature": temperature if do_sample else 0.0, "top_k": top_k if do_sample and top_k else 0,
+                "top_p": top_p if do_sample and top_p else 1.0, "seed": seed, "ignore_eos": not stop_at_eos}
+    if eos_token_id is not None:
+        sampling["stop_token_ids"] = [eos_token_id]
+    return sampling
 
 
 def _in_process_environment() -> None:

@@ -21,7 +21,8 @@ workers (which select the apps for the request's tokens) read a choice the same 
 import hashlib
 import json
 import math
-from collections.abc import Mapping, Sequence
+import uuid
+from collections.abc import Collection, Mapping, Sequence
 
 APPS_KEY = "xmix_apps"
 READS_KEY = "xmix_reads"
@@ -71,17 +72,27 @@ def chosen_apps(extra_args: dict | None, installed: Sequence[str] | Mapping[str,
         if not (str(key).startswith(f"{_OURS}.") and str(key).count(".") >= 2):
             continue
         app, _, param = str(key)[len(_OURS) + 1:].partition(".")
-        if app not in chosen:
-            raise ValueError(f"vllm_xargs[{key!r}] sets a parameter of {app!r}, which this request does not choose "
-                             f"in {APPS_KEY!r}")
-        bounds = declared.get(app, {}).get(param)
-        if bounds is None:
-            raise ValueError(f"vllm_xargs[{key!r}]: app {app!r} declares no request parameter {param!r}; it declares "
-                             f"{sorted(declared.get(app, {}))}")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-                or not bounds[0] <= value <= bounds[1]:
-            raise ValueError(f"vllm_xargs[{key!r}] is {value!r}; it takes a number in [{bounds[0]}, {bounds[1]}]")
+        problem = param_problem(app, param, value, chosen, declared)
+        if problem is not None:
+            raise ValueError(f"vllm_xargs[{key!r}] {problem}" + (f" in {APPS_KEY!r}" if app not in chosen else ""))
     return chosen
+
+
+def param_problem(app: str, param: str, value, chosen: Sequence[str], declared: Mapping[str, Mapping],
+                  chooser: str = "this request") -> str | None:
+    """What is wrong with `chooser` (which chose the apps `chosen`) setting `app`'s request param
+    `param` to `value`, as the end of a sentence naming the setting; None if nothing is.
+    `declared`: {app: {param: (lowest, highest)}}."""
+    if app not in chosen:
+        return f"sets a parameter of {app!r}, which {chooser} does not choose"
+    bounds = declared.get(app, {}).get(param)
+    if bounds is None:
+        return f"sets {param!r}, but app {app!r} declares no request parameter {param!r}; it declares " \
+               f"{sorted(declared.get(app, {}))}"
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not bounds[0] <= value <= bounds[1]:
+        return f"is {value!r}; it takes a number in [{bounds[0]}, {bounds[1]}]"
+    return None
 
 
 def chosen_values(extra_args: dict | None) -> dict[str, dict[str, float]]:
@@ -94,9 +105,12 @@ def chosen_values(extra_args: dict | None) -> dict[str, dict[str, float]]:
     return values
 
 
-def salt(extra_args: dict | None, config_digest: str) -> str | None:
+def salt(extra_args: dict | None, config_digest: str, reading: Collection[str] = ()) -> str | None:
     """The prefix-cache salt of a request's choice (None: it says nothing to xmix-lens). The same
-    apps, in any order or spelling, give the same salt."""
+    apps, in any order or spelling, give the same salt; except that a request choosing an app of
+    `reading` (apps that read) and wanting every position's reads gets a salt of its own: it
+    computes every position, and its reads cover every position they promise (the prompt's last
+    token and the latest one are computed on any cache hit)."""
     extra = extra_args or {}
     if not asks_for_apps(extra):
         return None
@@ -104,7 +118,10 @@ def salt(extra_args: dict | None, config_digest: str) -> str | None:
     names = value.split(",") if isinstance(value, str) else value if isinstance(value, list) else [repr(value)]
     choice = sorted({str(n).strip() for n in names} - {""})
     values = sorted((app, param, v) for app, params in chosen_values(extra).items() for param, v in params.items())
-    return "xmix:" + hashlib.sha256(json.dumps([config_digest, choice, values]).encode()).hexdigest()[:32]
+    own = "xmix:" + hashlib.sha256(json.dumps([config_digest, choice, values]).encode()).hexdigest()[:32]
+    if set(choice) & set(reading) and reads_wanted(extra) == "all":
+        own += f":{uuid.uuid4().hex}"
+    return own
 
 
 def reads_wanted(extra_args: dict | None) -> str:

@@ -11,11 +11,12 @@ import hashlib
 import os
 import tempfile
 import uuid
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
 
-from xmix_lens import app_config
+from xmix_lens import app_config, request_choice
 from xmix_lens.lowered import AffineWrite, GeneratedWrite, op_digest
 from xmix_lens.passes import PassPlan
 
@@ -29,6 +30,28 @@ class PassOutcome:
 
     results: object
     tokens: list[list[int]]
+
+
+@dataclass
+class ServedRequest:
+    """A request as a server takes it: its prompt's token ids, vLLM's SamplingParams fields, and its
+    `vllm_xargs`, which choose its apps and their param values (xmix_lens/request_choice.py)."""
+
+    key: str  # unique among the requests in flight, without "-" (vLLM appends "-" and a suffix)
+    prompt: list[int]
+    sampling: dict
+    xargs: dict | None = None
+    reads: bool = False  # whether its chosen apps read (their reads are fetched when it finishes)
+
+
+@dataclass
+class ServedResult:
+    key: str
+    prompt_tokens: int
+    tokens: list[int]
+    finish_reason: str | None
+    prompt_logprobs: list[float] | None  # of each prompt token after the first, if asked for
+    reads: list  # runtime.take_served_reads's answer: [(prompt index, [(app, read key, positions, values)])]
 
 
 class VllmEngine:
@@ -70,6 +93,11 @@ class VllmEngine:
     @property
     def max_model_len(self) -> int:
         return self.llm.llm_engine.model_config.max_model_len
+
+    @property
+    def max_num_seqs(self) -> int:
+        """The most requests a step runs."""
+        return self.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs
 
     @property
     def device(self) -> torch.device:
@@ -155,6 +183,46 @@ class VllmEngine:
             finished = self.runtime.finish_passes(pass_ids, list(routes))
         return [PassOutcome(results, [outputs[name] for name in pass_names])
                 for results, pass_names in zip(finished, names)]
+
+    def serve(self, requests: Iterable[ServedRequest], in_flight: int) -> Iterator[ServedResult]:
+        """Requests as a server serves them, through vLLM's step loop: each chooses its apps in its
+        vllm_xargs (the workers follow the choice: runtime.follow_requests), so requests with
+        different apps and param values share every step and its CUDA graphs. At most `in_flight`
+        are unfinished at a time, topped up from `requests` (read lazily) before each step; each
+        result is yielded as its request finishes. Requests still in flight when the caller stops
+        (or an error) are aborted."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        engine = self.llm.llm_engine
+        digest = hashlib.sha256(b"".join(info.digest for info in self.installed.values())).hexdigest()
+        reading = {name for name, info in self.installed.items() if info.reads}
+        pending: dict[str, ServedRequest] = {}  # by key (vLLM's outputs name the id it was given)
+        waiting = iter(requests)
+        try:
+            while True:
+                while len(pending) < in_flight and (request := next(waiting, None)) is not None:
+                    params = SamplingParams(detokenize=False, extra_args=request.xargs, **request.sampling)
+                    salt = request_choice.salt(request.xargs, digest, reading)
+                    engine.add_request(request.key, TokensPrompt(prompt_token_ids=request.prompt, cache_salt=salt),
+                                       params)
+                    pending[request.key] = request
+                if not pending:
+                    return
+                for out in engine.step():
+                    if not out.finished:
+                        continue
+                    request = pending.pop(out.request_id)
+                    logprobs = None
+                    if out.prompt_logprobs is not None:  # the prompt's own tokens (the first has none)
+                        logprobs = [entry[token].logprob for token, entry in
+                                    zip(request.prompt[1:], out.prompt_logprobs[1:])]
+                    reads = self.runtime.take_served_reads(request.key) if request.reads else []
+                    yield ServedResult(request.key, len(request.prompt), list(out.outputs[0].token_ids),
+                                       out.outputs[0].finish_reason, logprobs, reads)
+        finally:
+            if pending:
+                engine.abort_request(list(pending))
 
     def logits(self, normalized: torch.Tensor) -> torch.Tensor:
         """Logits from a read of unembed.hook_in (vLLM computes them only where it samples)."""

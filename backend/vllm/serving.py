@@ -22,7 +22,6 @@ one as an entry point makes vLLM 0.26 give up its V2 model runner for every engi
 import hashlib
 import json
 import math
-import uuid
 from pathlib import Path
 from typing import NamedTuple
 
@@ -109,14 +108,11 @@ def checked(body: bytes, path: str) -> tuple[bytes, bool]:
         raise BadChoice(str(e)) from None
     if path not in SALTED_PATHS:
         raise BadChoice(f"apps are chosen through {' and '.join(SALTED_PATHS)}, not {path}")
-    choice_salt = salt(xargs, _served.digest)
-    wanted = reads_wanted(xargs)
-    reading = bool(set(names) & _served.reading) and wanted != "none"
+    reading = bool(set(names) & _served.reading) and reads_wanted(xargs) != "none"
     if reading and (request.get("n") or 1) != 1:  # vLLM gives each sample an id of its own: no reads could follow
         raise BadChoice(f"reads come back for one sample per prompt (n = 1), not n = {request['n']}; ask for "
                         "n = 1, or for no reads (\"xmix_reads\": \"none\")")
-    if reading and wanted == "all":  # no prefix-cache reuse: every position computed, and read (the prompt's
-        choice_salt += f":{uuid.uuid4().hex}"  # last token and the latest one are computed on any cache hit)
+    choice_salt = salt(xargs, _served.digest, _served.reading)
     client_salt = request.get("cache_salt")
     request["cache_salt"] = f"{client_salt}|{choice_salt}" if isinstance(client_salt, str) and client_salt \
         else choice_salt

@@ -1,0 +1,465 @@
+"""Offline batched evaluation: the rows of a JSONL file through the engine, each with its own apps.
+
+    xmix-lens eval --model smollm2-135m --config apps/ --input rows.jsonl --output results.jsonl \\
+        --sweep joy.scale=0,2,4,8
+    summary = xmix_lens.evaluate(model, "rows.jsonl", "results.jsonl", sweep=["joy.scale=0,2,4,8"])
+
+A row is a JSON object (the user guide has the whole table):
+    {"id": 1, "prompt": "I feel", "apps": ["joy", "probe"], "params": {"joy.scale": 2.0}, "max_new_tokens": 16}
+    {"id": 2, "messages": [{"role": "user", "content": "Hi"}], "temperature": 0.7, "seed": 3}
+    {"id": 3, "prompt": "The capital of France is", "target": " Paris", "apps": ["joy"]}   # scored, not generated
+
+Rows go to the engine as a server's requests do (VllmEngine.serve): each chooses its apps and their
+request params in its `vllm_xargs`, so rows with different apps and values share every step, and
+its CUDA graphs. The input is read lazily and at most a few batches of rows are in flight, so memory
+stays flat however long the file. Each finished row's record is appended to the output and flushed:
+an interrupted run loses no finished row, and `resume=True` skips the records already there. A row
+that cannot run (a malformed row, an unknown app, a value out of its bounds) becomes a record with
+an `error` saying why, and the run goes on.
+"""
+import hashlib
+import itertools
+import json
+import math
+import os
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .request_choice import APPS_KEY, READS, READS_KEY, param_problem
+
+# the engine's side (vLLM, the model) is imported when a run starts: `xmix-lens plot` needs neither
+
+GENERATION_FIELDS = {"max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop_at_eos"}
+FIELDS = {"id", "prompt", "messages", "target", "apps", "params", "reads"} | GENERATION_FIELDS
+_MAX_READ_VALUES = 2**24  # numbers of reads in one record (left_out counts any beyond)
+
+
+@dataclass
+class Summary:
+    """What a run did. `records` counts what it wrote (error records included)."""
+
+    output: str
+    rows: int = 0  # input rows read
+    records: int = 0
+    errors: int = 0
+    resumed: int = 0  # records already in the output, skipped
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    seconds: float = 0.0
+
+    def __str__(self) -> str:
+        rate = self.records / self.seconds if self.seconds else 0.0
+        return (f"{self.records} records ({self.errors} errors) from {self.rows} rows in {self.seconds:.1f} s "
+                f"({rate:.1f} records/s); {self.prompt_tokens} prompt and {self.generated_tokens} generated tokens"
+                + (f"; {self.resumed} already in {self.output}, skipped" if self.resumed else "")
+                + f"; written to {self.output}")
+
+
+@dataclass
+class Sweep:
+    """`app.param=v1,v2,...`: every row runs with `app` chosen and `param` at each value."""
+
+    app: str
+    param: str
+    values: list[float]
+
+    @classmethod
+    def parse(cls, spec: str) -> "Sweep":
+        target, eq, values = spec.partition("=")
+        app, dot, param = target.strip().partition(".")
+        try:
+            numbers = [float(v) for v in values.split(",")] if values.strip() else []
+        except ValueError:
+            numbers = []
+        if not (eq and dot and app and param and numbers and all(map(math.isfinite, numbers))):
+            raise ValueError(f"sweep {spec!r}: write app.param=value,value,... (e.g. joy.scale=0,1,2,4)")
+        return cls(app, param, numbers)
+
+    def check(self, declared: dict[str, dict[str, tuple[float, float]]]) -> None:
+        if self.app not in declared:
+            raise ValueError(f"sweep {self.app}.{self.param}: no app named {self.app!r}; the model has {list(declared)}")
+        bounds = declared[self.app].get(self.param)
+        if bounds is None:
+            raise ValueError(f"sweep {self.app}.{self.param}: app {self.app!r} declares no request parameter "
+                             f"{self.param!r} (it declares {sorted(declared[self.app])}); declare it with "
+                             f"App(request_params={{{self.param!r}: (lowest, highest)}}) and export the app again")
+        outside = [v for v in self.values if not bounds[0] <= v <= bounds[1]]
+        if outside:
+            raise ValueError(f"sweep {self.app}.{self.param}: {outside} lie outside its bounds [{bounds[0]}, {bounds[1]}]")
+
+
+def sweep_points(sweeps: Iterable[Sweep]) -> list[dict[str, float]]:
+    """Every combination of the sweeps' values ({"app.param": value}); [{}] without sweeps."""
+    sweeps = list(sweeps)
+    names = [f"{s.app}.{s.param}" for s in sweeps]
+    if len(set(names)) != len(names):
+        raise ValueError(f"a sweep names a parameter twice: {names}")
+    return [dict(zip(names, values)) for values in itertools.product(*(s.values for s in sweeps))]
+
+
+class RowError(ValueError):
+    """Why a row cannot run: its record's `error`."""
+
+
+@dataclass
+class _Job:
+    """One record to compute: a row under one sweep point, and the requests it waits for."""
+
+    record: dict
+    kind: str  # "generate" or "score"
+    waiting: set = field(default_factory=set)
+    target_len: int = 0
+    results: dict = field(default_factory=dict)  # role -> ServedResult
+
+
+class Evaluation:
+    """One run over a model's engine: rows in, records out (see the module's docstring)."""
+
+    def __init__(self, model, sweep: Iterable[str | Sweep] = (), max_new_tokens: int = 16, temperature: float = 0.0,
+                 seed: int = 0, in_flight: int | None = None):
+        self.model, self.registry = model, model.app_registry
+        self.installed = list(model.engine.installed)  # the apps a row may choose, in install order
+        self.declared = {name: self.registry.request_params.get(name, {}) for name in self.installed}
+        self.reading = {name for name, info in model.engine.installed.items() if info.reads}
+        self.outputs = {(name, tuple(key)): out for name in self.installed
+                        for key, out in self.registry.resident.get(name, {}).items()}
+        sweeps = [s if isinstance(s, Sweep) else Sweep.parse(s) for s in sweep]
+        for s in sweeps:
+            s.check(self.declared)
+        self.points = sweep_points(sweeps)
+        self.defaults = {"max_new_tokens": max_new_tokens, "temperature": temperature}
+        self.seed = seed
+        self.in_flight = in_flight or 2 * model.engine.max_num_seqs
+        self._keys = itertools.count()
+
+    # --- rows -> requests -------------------------------------------------------------------------
+    def jobs(self, row, line: int, point: dict) -> tuple[_Job, list]:
+        """A row under one sweep point: its record (without results) and its requests
+        (backend/vllm/engine.py's ServedRequest), by role."""
+        from .backend.vllm.engine import ServedRequest
+
+        if not isinstance(row, dict):
+            raise RowError(f"a row is a JSON object with an id and a prompt, got {type(row).__name__}")
+        unknown = sorted(set(row) - FIELDS)
+        if unknown:
+            raise RowError(f"unknown field {unknown[0]!r}; a row's fields are {sorted(FIELDS)}")
+        names = self._apps(row.get("apps", []), point)
+        params = self._params(row.get("params", {}), names, point)
+        reads = row.get("reads", READS[0])
+        if reads not in READS:
+            raise RowError(f"reads {reads!r}: use one of {list(READS)}")
+        prompt = self._prompt(row)
+        record = {"id": row["id"], "line": line, **({"sweep": point} if point != {} else {}), "apps": list(names),
+                  "params": params}
+        xargs = self._xargs(names, params, reads)
+        wants_reads = bool(set(names) & self.reading) and reads != "none"
+        if "target" in row:
+            target = row["target"]
+            if not isinstance(target, str) or not target:
+                raise RowError(f"target {target!r}: a non-empty string, the continuation to score")
+            given = sorted(set(row) & GENERATION_FIELDS)
+            if given:
+                raise RowError(f"a scoring row (with a target) generates nothing; drop {given}")
+            ids = self.model.tokenizer(target, add_special_tokens=False)["input_ids"]
+            self._check_length(len(prompt) + len(ids))
+            job = _Job({**record, "target_token_ids": ids}, "score", target_len=len(ids))
+            scoring = {"max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0}
+            requests = [("apps", ServedRequest(self._key(), prompt + ids, scoring, xargs, wants_reads))]
+            if names:
+                requests.append(("without_apps", ServedRequest(self._key(), prompt + ids, scoring,
+                                                               self._xargs((), {}, "none"), False)))
+            return job, requests
+        settings = {**self.defaults, **{k: row[k] for k in GENERATION_FIELDS if k in row}}
+        sampling = self._sampling(settings, row["id"], point)
+        self._check_length(len(prompt) + sampling["max_tokens"])
+        job = _Job({**record, "prompt_tokens": len(prompt)}, "generate")
+        return job, [("apps", ServedRequest(self._key(), prompt, sampling, xargs, wants_reads))]
+
+    def _apps(self, apps, point: dict) -> tuple[str, ...]:
+        if isinstance(apps, str):
+            apps = [a.strip() for a in apps.split(",") if a.strip()]
+        if not isinstance(apps, list) or not all(isinstance(a, str) for a in apps):
+            raise RowError(f"apps {apps!r}: a list of app names (or one comma-separated string)")
+        unknown = [a for a in apps if a not in self.installed]
+        if unknown:
+            raise RowError(f"no app named {unknown[0]!r}; the model has {self.installed}")
+        if len(set(apps)) != len(apps):
+            raise RowError(f"apps {apps} names an app twice")
+        chosen = set(apps) | {name.partition(".")[0] for name in point}  # a sweep chooses its app
+        return tuple(n for n in self.installed if n in chosen)
+
+    def _params(self, params, names: tuple[str, ...], point: dict) -> dict[str, float]:
+        if not isinstance(params, dict):
+            raise RowError(f"params {params!r}: an object of \"app.param\": number")
+        for key, value in params.items():
+            app, _, param = str(key).partition(".")
+            if key in point:
+                raise RowError(f"params sets {key!r}, which the sweep sets; drop it from the row or the sweep")
+            problem = param_problem(app, param, value, names, self.declared, f"the row (apps: {list(names)})")
+            if problem is not None:
+                raise RowError(f"params {key!r} {problem}")
+        return {**{k: float(v) for k, v in params.items()}, **point}
+
+    def _prompt(self, row: dict) -> list[int]:
+        if "id" not in row or not isinstance(row["id"], (str, int)) or isinstance(row["id"], bool):
+            raise RowError("every row needs an \"id\" (a string or an integer): it names the row's records and "
+                           "lets --resume skip them")
+        if ("prompt" in row) == ("messages" in row):
+            raise RowError("a row has a \"prompt\" (text) or chat \"messages\", exactly one")
+        tokenizer = self.model.tokenizer
+        if "prompt" in row:
+            if not isinstance(row["prompt"], str) or not row["prompt"]:
+                raise RowError(f"prompt {row['prompt']!r}: a non-empty string")
+            return self.model.to_tokens(row["prompt"], truncate=False)[0].tolist()
+        messages = row["messages"]
+        if not (isinstance(messages, list) and messages and all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages)):
+            raise RowError("messages: a non-empty list of {\"role\": ..., \"content\": ...} objects")
+        if not getattr(tokenizer, "chat_template", None):
+            raise RowError("this model's tokenizer has no chat template: give a \"prompt\" instead of messages")
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                  return_dict=False))
+
+    def _sampling(self, settings: dict, row_id, point: dict) -> dict:
+        from .model import sampling_settings
+
+        n = settings["max_new_tokens"]
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise RowError(f"max_new_tokens {n!r}: a whole number of at least 1")
+        temperature = settings["temperature"]
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature >= 0:
+            raise RowError(f"temperature {temperature!r}: a number >= 0 (0: greedy)")
+        for key, ok in (("top_k", lambda v: isinstance(v, int) and v >= 0), ("top_p", lambda v: 0 < v <= 1),
+                        ("seed", lambda v: isinstance(v, int)), ("stop_at_eos", lambda v: isinstance(v, bool))):
+            if key in settings and (isinstance(settings[key], bool) != (key == "stop_at_eos")
+                                    or not isinstance(settings[key], (int, float)) or not ok(settings[key])):
+                raise RowError(f"{key} {settings[key]!r} is not valid (top_k: whole >= 0, top_p: in (0, 1], "
+                               f"seed: whole, stop_at_eos: true or false)")
+        seed = settings.get("seed")
+        if seed is None and temperature > 0:  # a row samples the same whatever it shares its steps with
+            seed = int.from_bytes(hashlib.sha256(json.dumps([self.seed, row_id, point]).encode()).digest()[:4], "big")
+        sampling = sampling_settings(temperature > 0, settings.get("top_k"), settings.get("top_p"), float(temperature),
+                                     seed, settings.get("stop_at_eos", True))
+        return {**sampling, "max_tokens": n}
+
+    def _xargs(self, names, params: dict, reads: str) -> dict | None:
+        if not self.installed:
+            return None
+        return {APPS_KEY: list(names), READS_KEY: reads, **{f"xmix.{k}": v for k, v in params.items()}}
+
+    def _check_length(self, n: int) -> None:
+        limit = self.model.engine.max_model_len
+        if n > limit:
+            raise RowError(f"the row needs {n} positions; the engine's max_model_len is {limit} (--max-model-len)")
+
+    def _key(self) -> str:
+        return f"xmixeval{next(self._keys)}"  # no "-": vLLM appends "-" and a suffix of its own
+
+    # --- results -> records -----------------------------------------------------------------------
+    def finish(self, job: _Job) -> dict:
+        from .backend.vllm.serving import reads_json
+
+        record = job.record
+        served = job.results["apps"]
+        if job.kind == "generate":
+            record.update(completion=self.model.tokenizer.decode(served.tokens, skip_special_tokens=True),
+                          token_ids=served.tokens, finish_reason=served.finish_reason)
+        else:
+            record.update(self._score(served, job.target_len))
+            if "without_apps" in job.results:
+                record["without_apps"] = self._score(job.results["without_apps"], job.target_len)
+        per_prompt = reads_json(served.reads, self.outputs, _MAX_READ_VALUES) if served.reads else []
+        record["reads"] = per_prompt[0]["apps"] if per_prompt else {}
+        return record
+
+    @staticmethod
+    def _score(served, n: int) -> dict:
+        logprobs = served.prompt_logprobs[-n:]
+        return {"logprob": sum(logprobs), "loss": -sum(logprobs) / n, "token_logprobs": logprobs}
+
+
+def evaluate(model, input, output, sweep: Iterable[str | Sweep] = (), resume: bool = False, progress: bool = True,
+             max_new_tokens: int = 16, temperature: float = 0.0, seed: int = 0, in_flight: int | None = None) -> Summary:
+    """Run every row of `input` (a JSONL path, or an iterable of row dicts) under each sweep point on
+    `model` (a HookedServedModel; its installed apps are what rows choose) and append one record
+    per row and point to `output` (JSONL). See the module's docstring and the user guide."""
+    run = Evaluation(model, sweep, max_new_tokens, temperature, seed, in_flight)
+    output = Path(output)
+    done = _resume(output) if resume else set()
+    if not resume and output.exists() and output.stat().st_size:
+        raise FileExistsError(f"{output} exists and is not empty: pass resume=True (--resume) to continue it, or "
+                              f"write to another file")
+    summary = Summary(str(output), resumed=0)
+    total = (_count_rows(input) * len(run.points) - len(done)) if isinstance(input, (str, Path)) else None
+    with model.lock, open(output, "a", encoding="utf-8") as out, _progress(progress, total) as bar:
+        started = time.perf_counter()
+
+        def write(record: dict) -> None:
+            out.write(json.dumps(record) + "\n")
+            out.flush()
+            summary.records += 1
+            summary.errors += "error" in record
+            summary.seconds = time.perf_counter() - started
+            bar.update(1)
+            bar.set_postfix_str(f"{(summary.prompt_tokens + summary.generated_tokens) / summary.seconds:.0f} tok/s",
+                                refresh=False)
+
+        waiting: dict[str, tuple[_Job, str]] = {}  # request key -> (job, role)
+
+        def requests() -> Iterator:
+            seen: dict[str, int] = {}  # id -> the line that used it
+            for line, row in _rows(input):
+                summary.rows += 1
+                row_id = row.get("id") if isinstance(row, dict) else None
+                id_key = json.dumps(row_id) if isinstance(row_id, (str, int)) else f"line {line}"
+                for point in run.points:
+                    if (id_key, json.dumps(point, sort_keys=True)) in done:
+                        summary.resumed += 1
+                        continue
+                    try:
+                        if isinstance(row, RowError):
+                            raise row
+                        if id_key in seen and seen[id_key] != line:
+                            raise RowError(f"id {row_id!r} was used by line {seen[id_key]}: ids name a row's records "
+                                           f"and let --resume skip them, so they must be unique")
+                        seen[id_key] = line
+                        job, served = run.jobs(row, line, point)
+                    except RowError as e:
+                        write({"id": row_id, "line": line, **({"sweep": point} if point != {} else {}),
+                               "error": str(e)})
+                        continue
+                    for role, request in served:
+                        job.waiting.add(request.key)
+                        waiting[request.key] = (job, role)
+                        yield request
+
+        for served in model.engine.serve(requests(), run.in_flight):
+            job, role = waiting.pop(served.key)
+            job.results[role] = served
+            job.waiting.discard(served.key)
+            summary.prompt_tokens += served.prompt_tokens
+            summary.generated_tokens += len(served.tokens) if job.kind == "generate" else 0
+            if not job.waiting:
+                write(run.finish(job))
+        summary.seconds = time.perf_counter() - started
+    return summary
+
+
+def _rows(input) -> Iterator[tuple[int, dict | RowError]]:
+    """(line number, row) of a JSONL file read lazily (blank lines skipped; a line that is not JSON
+    comes as a RowError), or of an iterable of dicts (numbered from 1)."""
+    if not isinstance(input, (str, Path)):
+        yield from enumerate(input, start=1)
+        return
+    with open(input, encoding="utf-8") as f:
+        for line, text in enumerate(f, start=1):
+            if not text.strip():
+                continue
+            try:
+                yield line, json.loads(text)
+            except json.JSONDecodeError as e:
+                yield line, RowError(f"line {line} is not JSON ({e.msg} at column {e.colno})")
+
+
+def _count_rows(path) -> int:
+    with open(path, encoding="utf-8") as f:
+        return sum(1 for text in f if text.strip())
+
+
+def _resume(output: Path) -> set[tuple[str, str]]:
+    """The (id, sweep point) keys of the records already in `output`. A last line cut short by an
+    interruption is removed, so that the file holds whole records only."""
+    if not output.exists():
+        return set()
+    data = output.read_bytes()
+    whole = data[: data.rfind(b"\n") + 1]
+    if len(whole) != len(data):
+        with open(output, "r+b") as f:
+            f.truncate(len(whole))
+    done = set()
+    for text in whole.decode("utf-8").splitlines():
+        if text.strip():
+            record = json.loads(text)
+            row_id = record.get("id")
+            id_key = json.dumps(row_id) if isinstance(row_id, (str, int)) else f"line {record['line']}"
+            done.add((id_key, json.dumps(record.get("sweep", {}), sort_keys=True)))
+    return done
+
+
+def _progress(enabled: bool, total: int | None):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, unit="row", disable=not enabled, dynamic_ncols=True, desc="eval")
+
+
+# --- curves of a results file ---------------------------------------------------------------------
+def sweep_curve(results, x: str, y: str) -> list[tuple[float, float, float, int]]:
+    """(value of the swept `x`, mean of `y`, its standard error, records) for each value of `x`, over
+    the records of a results file without errors. `y`: a record's number ("logprob", "loss",
+    "without_apps.logprob", ...) or "reads.APP.OUTPUT", a scalar read at its first position returned
+    (the prompt's end by default)."""
+    by_x: dict[float, list[float]] = {}
+    for _, record in _rows(results):
+        if isinstance(record, RowError) or "error" in record:
+            continue
+        point = record.get("sweep", {})
+        if x not in point:
+            raise ValueError(f"{results}: a record (line {record.get('line')}) has no swept {x!r}; its sweep is "
+                             f"{point or 'empty'}: run eval with --sweep {x}=...")
+        value = _number(record, y)
+        if value is not None:  # (scores are in scoring rows' records only, a read in its apps' records)
+            by_x.setdefault(point[x], []).append(value)
+    if not by_x:
+        raise ValueError(f"{results} has no record with {y!r} (and without an error)")
+    curve = []
+    for value in sorted(by_x):
+        ys = by_x[value]
+        mean = sum(ys) / len(ys)
+        spread = math.sqrt(sum((v - mean) ** 2 for v in ys) / (len(ys) - 1) / len(ys)) if len(ys) > 1 else 0.0
+        curve.append((value, mean, spread, len(ys)))
+    return curve
+
+
+def _number(record: dict, y: str) -> float | None:
+    """A record's `y` (see sweep_curve), None if the record has none."""
+    parts = y.split(".")
+    if parts[0] == "reads":
+        if len(parts) != 3:
+            raise ValueError(f"y {y!r}: write reads.APP.OUTPUT (e.g. reads.probe.score)")
+        read = record["reads"].get(parts[1], {}).get(parts[2])
+        if read is None or not read["values"]:
+            return None
+        value = read["values"][0]
+    else:
+        value = record
+        for part in parts:
+            if not isinstance(value, dict) or part not in value:
+                return None
+            value = value[part]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{y!r} is not a number in record {record['id']!r} (it is {str(value)[:60]}): plot a "
+                         f"scalar read or score")
+    return float(value)
+
+
+def plot(results, x: str, y: str, out) -> Path:
+    """The curve of `y` against the swept `x` (sweep_curve: means with standard-error bars), saved as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    curve = sweep_curve(results, x, y)
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    ax.errorbar([c[0] for c in curve], [c[1] for c in curve], yerr=[c[2] for c in curve], marker="o", capsize=3)
+    ax.set_xlabel(x)
+    ax.set_ylabel(y)
+    ax.set_title(f"{y} against {x} ({max(c[3] for c in curve)} rows per point)", fontsize=9)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return Path(out)

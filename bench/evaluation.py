@@ -5,8 +5,9 @@ JSONL file, against vLLM's own `LLM.generate` over the same rows' token ids, mod
     python -m bench.evaluation --model PATH --toy --eager-engines        # CPU: a small run in CI
 
 Engines (in-process, built once): native vLLM's LLM; xmix-lens with one steering app installed as it
-is built (captured in its CUDA graphs). Modes: `native` (LLM.generate, every row at once), `eval_none`
-(evaluate, rows choosing no app), `eval_steer` (evaluate, every row choosing the steering app). Each
+is built (captured in its CUDA graphs), its hook point alone armed (as `xmix-lens eval` arms them). Modes: `native` (LLM.generate, every row at once), `eval_none`
+(evaluate, rows choosing no app), `eval_steer` (evaluate, every row choosing the steering app),
+`xmix_generate` (LLM.generate on the xmix-lens engine, no app: what the engine costs apart from eval). Each
 repeat runs the modes in turn (A B C A B C ...) after a warm-up of each; rows are greedy with a fixed
 number of new tokens (EOS ignored), so every mode generates the same number of tokens. Reported per
 mode: the median rows/s of the repeats and its ratio to native's; whether eval_none's tokens equal
@@ -29,7 +30,7 @@ from xmix_lens.model import IN_PROCESS_ENVIRONMENT
 for _name, _value in IN_PROCESS_ENVIRONMENT.items():
     os.environ.setdefault(_name, _value)
 
-MODES = ["native", "eval_none", "eval_steer"]
+MODES = ["native", "eval_none", "eval_steer", "xmix_generate"]
 
 
 def steering_app(n_layers: int, d_model: int) -> App:
@@ -68,6 +69,22 @@ def run_eval(model, batch: list[dict], apps: list[str], folder: str) -> tuple[fl
     return seconds, [by_id[r["id"]] for r in batch]
 
 
+def _profile(once, batch, path) -> None:
+    import cProfile
+    import io
+    import pstats
+
+    with open(path, "w") as f:
+        for mode in MODES:
+            profile = cProfile.Profile()
+            profile.enable()
+            seconds, _ = once(mode, batch)
+            profile.disable()
+            text = io.StringIO()
+            pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(30)
+            f.write(f"=== {mode}: {seconds:.2f} s\n{text.getvalue()}\n")
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", required=True)
@@ -81,6 +98,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--eager-engines", action="store_true", help="every engine enforce_eager (CPU speed)")
     parser.add_argument("--max-model-len", type=int, default=512)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.35)
+    parser.add_argument("--profile", help="write the host profile (cProfile, by own time) of one run of each mode here")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     if args.toy:
@@ -98,15 +116,17 @@ def main(argv=None) -> dict:
     llm = LLM(model=args.model, dtype=args.dtype, skip_tokenizer_init=True, **common)
     built["native"] = time.time() - start
     start = time.time()
-    model = HookedServedModel.from_pretrained(args.model, dtype=args.dtype,
-                                              apps=[steering_app(hf.num_hidden_layers, hf.hidden_size)], **common)
+    steer = steering_app(hf.num_hidden_layers, hf.hidden_size)
+    # only the app's hook points armed, as an engine serving a config (and `xmix-lens eval`) arms them
+    model = HookedServedModel.from_pretrained(args.model, dtype=args.dtype, apps=[steer],
+                                              armed=[name for name, _ in steer.fwd_hooks], **common)
     built["xmix"] = time.time() - start
     runs = {mode: [] for mode in MODES}
     equal, steered = [], []
     with tempfile.TemporaryDirectory() as folder:
         def once(mode, batch):
-            if mode == "native":
-                return run_native(llm, model, batch)
+            if mode in ("native", "xmix_generate"):
+                return run_native(llm if mode == "native" else model.engine.llm, model, batch)
             return run_eval(model, batch, ["steer"] if mode == "eval_steer" else [], folder)
 
         warm = rows(model, min(args.rows, 256), args.prompt_len, args.new_tokens, seed=0)
@@ -120,6 +140,8 @@ def main(argv=None) -> dict:
                 runs[mode].append({"seconds": seconds, "rows_per_s": len(batch) / seconds})
             equal.append(tokens["eval_none"] == tokens["native"])
             steered.append(tokens["eval_steer"] != tokens["native"])
+        if args.profile:
+            _profile(once, rows(model, args.rows, args.prompt_len, args.new_tokens, seed=99), args.profile)
     base = statistics.median(r["rows_per_s"] for r in runs["native"])
     summary = {mode: {"rows_per_s": statistics.median(r["rows_per_s"] for r in rs),
                       "ratio_to_native": statistics.median(r["rows_per_s"] for r in rs) / base} for mode, rs in runs.items()}
@@ -129,7 +151,9 @@ def main(argv=None) -> dict:
               "versions": {"torch": torch.__version__, "vllm": __import__("vllm").__version__},
               "engine_build_s": built, "rows": args.rows, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
               "runs": runs, "summary": summary, "eval_none_tokens_equal_native": equal,
-              "eval_steer_tokens_differ": steered}
+              "eval_steer_tokens_differ": steered,
+              # steps of the xmix engine run without CUDA graphs (0: every eval step replayed its graphs)
+              "xmix_eager_steps": getattr(model.engine.runtime, "eager_steps", None)}
     print(json.dumps(summary, indent=1), "eval_none tokens equal native:", equal)
     if args.out:
         with open(args.out, "w") as f:

@@ -141,7 +141,9 @@ def evaluate(args) -> None:
                     sweep.check(declared)
             except ValueError as e:
                 raise SystemExit(str(e)) from None
-        model = HookedTransformer.from_pretrained(args.model, enforce_eager=args.eager, config=config,
+        # only the apps' hook points armed, as `vllm serve` arms a config's: every other site would
+        # cost time in each step that runs outside CUDA graphs (bench/results/*-gpu-eval-throughput*.json)
+        model = HookedTransformer.from_pretrained(args.model, enforce_eager=args.eager, config=config, armed=(),
                                                   max_model_len=args.max_model_len)
     try:
         summary = evaluation.evaluate(model, args.input, args.output, sweeps, resume=args.resume,

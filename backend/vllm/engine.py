@@ -136,9 +136,12 @@ class VllmEngine:
         self.runtime.uninstall_app(name)
 
     # --- passes -----------------------------------------------------------------------------------
-    def run(self, plans: list[PassPlan]) -> list[PassOutcome]:
+    def run(self, plans: list[PassPlan], progress: str | None = None) -> list[PassOutcome]:
         """Run passes together: all their rows are vLLM requests in flight at once, each pass's ops
-        touch only its own rows. Unknown apps fail before anything is sent to the engine."""
+        touch only its own rows. Unknown apps fail before anything is sent to the engine.
+        `progress`: the description of a progress bar of finished rows (None: no bar)."""
+        from tqdm import tqdm
+
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
@@ -172,13 +175,16 @@ class VllmEngine:
                         selections[internal] = tuple(row_apps[row])
             # one call before the first step (one RPC under TP): where each request's tokens belong
             self.runtime.route(routes, selections)
+            bar = tqdm(total=sum(map(len, names)), desc=progress, unit="row", disable=progress is None)
             while engine.has_unfinished_requests():
                 for out in engine.step():
                     if out.finished:
+                        bar.update(1)
                         outputs[out.request_id] = list(out.outputs[0].token_ids)
                         self.last_run_stats["requests"] += 1
                         self.last_run_stats["prompt_tokens"] += len(out.prompt_token_ids or ())
                         self.last_run_stats["cached_tokens"] += out.num_cached_tokens or 0
+            bar.close()
         finally:
             if len(outputs) < sum(map(len, names)):  # stopped by an error
                 engine.abort_request([n for pass_names in names for n in pass_names if n not in outputs])

@@ -27,8 +27,9 @@ def outputs(notebook) -> str:
     return "\n".join(texts)
 
 
-def test_there_are_notebooks():
-    assert len(NOTEBOOKS) >= 7, [p.name for p in NOTEBOOKS]
+def test_every_notebook_the_readme_lists_is_here():
+    listed = re.findall(r"^\| `(\d\d_\w+)` \|", (NOTEBOOKS[0].parent / "README.md").read_text(), re.MULTILINE)
+    assert len(listed) >= 5 and sorted(listed) == [p.stem for p in NOTEBOOKS], (listed, [p.name for p in NOTEBOOKS])
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])

@@ -237,7 +237,7 @@ def test_interrupted_runs_resume_to_the_uninterrupted_result(engine, config, tmp
     """A real `xmix-lens eval` process stopped by SIGINT (Ctrl-C) and later by SIGKILL, resumed each
     time: every record once, equal to an uninterrupted run."""
     rows = [{"id": f"r{i}", "prompt": f"{PROMPTS[i % 4]} {i}", "apps": [["steer"], ["probe"], []][i % 3],
-             "max_new_tokens": 24} for i in range(400)]
+             "max_new_tokens": 48} for i in range(400)]  # long enough that no run ends before its signal
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "out.jsonl"
     command = cli("eval", "--model", tiny_llama(), "--config", config, "--input", tmp_path / "rows.jsonl",

@@ -237,7 +237,7 @@ def test_interrupted_runs_resume_to_the_uninterrupted_result(engine, config, tmp
     """A real `xmix-lens eval` process stopped by SIGINT (Ctrl-C) and later by SIGKILL, resumed each
     time: every record once, equal to an uninterrupted run."""
     rows = [{"id": f"r{i}", "prompt": f"{PROMPTS[i % 4]} {i}", "apps": [["steer"], ["probe"], []][i % 3],
-             "max_new_tokens": 48} for i in range(400)]  # long enough that no run ends before its signal
+             "max_new_tokens": 48} for i in range(1200)]  # long enough that no run ends before its signal
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "out.jsonl"
     command = cli("eval", "--model", tiny_llama(), "--config", config, "--input", tmp_path / "rows.jsonl",
@@ -248,7 +248,7 @@ def test_interrupted_runs_resume_to_the_uninterrupted_result(engine, config, tmp
     _, err = first.communicate(timeout=120)
     assert first.returncode == 130 and "continue with --resume" in err, err[-3000:]
     after_first = out.read_text().count("\n")
-    assert 50 <= after_first < 800
+    assert 50 <= after_first < 2400
     second = subprocess.Popen(command + ["--resume"], env=cli_environment(), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True)
     wait_for_records(out, after_first + 100, second)
@@ -261,7 +261,7 @@ def test_interrupted_runs_resume_to_the_uninterrupted_result(engine, config, tmp
     assert "already in" in third.stdout
     records = [json.loads(line) for line in out.read_text().splitlines()]
     keys = [(r["id"], r["sweep"]["gate.gain"]) for r in records]
-    assert len(keys) == len(set(keys)) == 800 and not any("error" in r for r in records)
+    assert len(keys) == len(set(keys)) == 2400 and not any("error" in r for r in records)
     whole = run(engine, rows, tmp_path / "whole.jsonl", sweep=["gate.gain=0,2"])
     for r in records:
         twin = whole[(r["id"], json.dumps(r["sweep"], sort_keys=True))]

@@ -29,7 +29,8 @@ def test_a_script_prints_its_results_and_not_the_engine():
     done = run_script()
     assert "RESULT" in done.stdout
     assert "vLLM ready for" in done.stderr  # the start-up line
-    for noise in ("INFO ", "nanobind: leaked", "Chat template warmup failed", "Passing raw prompts"):
+    for noise in ("INFO ", "nanobind: leaked", "Chat template warmup failed", "Passing raw prompts", "NUMA binding",
+                  "Loading safetensors checkpoint shards"):
         assert noise not in done.stdout + done.stderr, noise
 
 
@@ -64,3 +65,22 @@ def test_generate_verbose_shows_a_progress_bar(served, capfd):
     assert "generate" not in capfd.readouterr().err
     model.generate(["Hello", "Hi there"], max_new_tokens=2, do_sample=False, verbose=True)
     assert "generate: 100%" in capfd.readouterr().err
+
+
+def test_native_start_up_noise_is_dropped_and_the_rest_kept(capfd):
+    """What native code writes to fd 2 while a CPU engine starts: the non-actionable lines go, the
+    rest comes back after the start (all of it if the start fails)."""
+    import os
+
+    from xmix_lens.verbosity import NATIVE_NOT_ACTIONABLE, native_stderr_filtered
+
+    noise = f"[W utils.cpp:68] Warning: {NATIVE_NOT_ACTIONABLE[0]} MEMBIND policy\n"
+    with native_stderr_filtered(True):
+        os.write(2, noise.encode())
+        os.write(2, b"a native error a user needs\n")
+    err = capfd.readouterr().err
+    assert "a native error a user needs" in err and NATIVE_NOT_ACTIONABLE[0] not in err
+    with pytest.raises(RuntimeError), native_stderr_filtered(True):
+        os.write(2, noise.encode())
+        raise RuntimeError("the engine did not start")
+    assert NATIVE_NOT_ACTIONABLE[0] in capfd.readouterr().err

@@ -132,7 +132,12 @@ class HookedServedModel:
         resident = [(spec.name, ops, app_config.declared(spec)) for spec, ops in configured]
         resident += [(app.name, model._lower_app(app.name, app.fwd_hooks, getattr(app, "params", None)).ops, {})
                      for app in apps]
-        with verbosity.StartupProgress(Path(str(name_or_path)).name, compiled=not enforce_eager):
+        if verbosity.verbosity() == "quiet":
+            engine_kwargs.setdefault("use_tqdm_on_load", False)  # vLLM's weight-loading bar
+        # a CPU engine of one rank runs in this process (a GPU or TP one may start worker processes)
+        in_process_cpu = not torch.cuda.is_available() and engine_kwargs.get("tensor_parallel_size", 1) == 1
+        with verbosity.native_stderr_filtered(in_process_cpu), \
+                verbosity.StartupProgress(Path(str(name_or_path)).name, compiled=not enforce_eager):
             model.engine = VllmEngine.build(model_dir, torch_dtype, cfg.n_heads,
                                             max_model_len or min(cfg.n_ctx, 2048), enforce_eager, armed_names,
                                             resident, cfg.d_vocab, **engine_kwargs)

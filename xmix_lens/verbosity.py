@@ -13,8 +13,11 @@ vLLM reads its log level when it is first imported; set the verbosity (or the va
 first `from_pretrained` of the process to change what vLLM prints while it loads.
 """
 import atexit
+import contextlib
+import io
 import os
 import sys
+import tempfile
 import threading
 
 LEVELS = {"quiet": "WARNING", "info": "INFO", "debug": "DEBUG"}
@@ -77,6 +80,59 @@ def _silence_exit_messages() -> None:
         os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
 
     atexit.register(to_devnull)
+
+
+# what native code (C++, not Python's logging) prints to the process's standard error while a CPU
+# engine starts that no user can act on: a line containing one of these is dropped when quiet
+NATIVE_NOT_ACTIONABLE = (
+    "NUMA binding: Using",  # vLLM's CPU worker binds its memory node; torch's C++ warning says so (utils.cpp)
+)
+
+
+@contextlib.contextmanager
+def native_stderr_filtered(enabled: bool):
+    """While an in-process CPU engine starts: what native code writes to file descriptor 2 goes
+    to a temporary file, and afterwards every line of it but the NATIVE_NOT_ACTIONABLE ones is
+    written to sys.stderr (all of it if the start fails). Python's own sys.stderr keeps writing
+    where it did, so the start-up line and Python warnings show as they happen.
+
+    Only for an engine in this process: a worker process started meanwhile would keep the
+    temporary file as its standard error for good."""
+    if not enabled or verbosity() != "quiet":
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    python_stderr = sys.stderr
+    if _writes_to_fd2(python_stderr):  # a script: Python's stderr is fd 2 itself; keep it on the terminal
+        sys.stderr = io.TextIOWrapper(os.fdopen(os.dup(saved), "wb", buffering=0), write_through=True,
+                                      encoding=python_stderr.encoding, errors="backslashreplace")
+    captured = tempfile.TemporaryFile()
+    os.dup2(captured.fileno(), 2)
+    failed = True
+    try:
+        yield
+        failed = False
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        if sys.stderr is not python_stderr:
+            sys.stderr.close()
+            sys.stderr = python_stderr
+        captured.seek(0)
+        lines = captured.read().decode(errors="replace").splitlines(keepends=True)
+        captured.close()
+        kept = [line for line in lines if failed or not any(m in line for m in NATIVE_NOT_ACTIONABLE)]
+        if kept:
+            sys.stderr.write("".join(kept))
+            sys.stderr.flush()
+
+
+def _writes_to_fd2(stream) -> bool:
+    try:
+        return stream.fileno() == 2
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+        return False
 
 
 class StartupProgress:

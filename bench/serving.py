@@ -13,7 +13,10 @@ Engines (all in-process, as the facade runs vLLM; one of each, built once):
                (the approach of the peers that force eager mode) (eager_hook)
 Each repeat draws fresh random prompt ids, the same for every mode, and runs the modes in turn
 (A B C ... A B C ...), after one warm-up run of each. Per run: mean and P99 inter-token latency,
-mean time to first token, total token throughput (prompt + output tokens / wall time).
+mean time to first token, total token throughput (prompt + output tokens / wall time), and on the
+xmix-lens engines the control plane's host time per step (`host_ms_per_step`, ControlPlane.prepare_step).
+With --profile, a decode step of each workload (the seven apps active) is profiled: every CUDA
+kernel's time and launches, xmix-lens's own and the step's total.
 """
 import argparse
 import json
@@ -177,6 +180,25 @@ def run_once(llm, prompts, out_len) -> dict:
             "tokens": [tokens[k] for k in sorted(tokens)]}
 
 
+def control_plane(engines, mode):
+    """The control plane of the xmix-lens engine a mode runs on (None: vLLM's own)."""
+    name = {"installed_idle": "production", "steer": "production", "seven": "production",
+            "armed_idle": "research"}.get(mode)
+    return engines[name].engine.runtime.control if name else None
+
+
+def timed_run(engines, app_names, mode, prompts, out_len) -> dict:
+    """One run of a mode, with its engine's control-plane host time per step."""
+    control = control_plane(engines, mode)
+    if control is not None:
+        control.host_seconds, control.host_steps = 0.0, 0
+    run = run_once(set_mode(engines, app_names, mode), prompts, out_len)
+    if control is not None:
+        run["host_ms_per_step"] = 1e3 * control.host_seconds / max(control.host_steps, 1)
+        run["steps"] = control.host_steps
+    return run
+
+
 def set_mode(engines, app_names, mode):
     """The engine a mode runs on, with the production engine's active apps chosen for it."""
     if mode == "native":
@@ -211,28 +233,47 @@ def summarise(runs: dict) -> dict:
             noise = max((max(v) - min(v)) / statistics.median(v) for v in (values, native[m]))
             row[m] = {"median": med, "min": min(values), "max": max(values), "ratio_to_native": ratio,
                       "noise": noise, "within_noise": abs(ratio - 1) <= noise}
+        host = [r["host_ms_per_step"] for r in repeats if "host_ms_per_step" in r]
+        if host:
+            row["host_ms_per_step"] = {"median": statistics.median(host), "max": max(host)}
         summary[mode] = row
     return summary
 
 
-def kernel_names(llm, prompts) -> list[str]:
-    """The CUDA kernels of a profiled, graph-replayed decode step (the seven apps active)."""
+PROFILED_PROMPT_LEN, PROFILED_STEPS = 16, 4
+XMIX_KERNELS = ("program_kernel", "affine_write_kernel", "project_read_kernel", "gather_rows")
+
+
+def decode_step_kernels(llm, prompts) -> dict:
+    """The CUDA kernels of a profiled, graph-replayed decode step (the seven apps active): per
+    kernel name, launches and device time; the step's total and xmix-lens's share."""
     from torch.profiler import ProfilerActivity, profile
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     engine = llm.llm_engine
-    params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0, detokenize=False)
-    for i, p in enumerate(prompts):
-        engine.add_request(f"profile-{i}", TokensPrompt(prompt_token_ids=p), params)
-    engine.step()  # the prefill
-    engine.step()
+    params = SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.0, detokenize=False)
+    for i, p in enumerate(prompts):  # short prompts: the whole batch prefills in the first step
+        engine.add_request(f"profile-{i}", TokensPrompt(prompt_token_ids=p[:PROFILED_PROMPT_LEN]), params)
+    for _ in range(3):  # the prefill, and the first decode steps
+        engine.step()
+    torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        engine.step()  # a decode step: a FULL graph replay
+        for _ in range(PROFILED_STEPS):  # decode steps: FULL graph replays
+            engine.step()
         torch.cuda.synchronize()
     while engine.has_unfinished_requests():
         engine.step()
-    return sorted({e.name for e in prof.events() if e.device_type.name == "CUDA"})
+    kernels = {}
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            k = kernels.setdefault(e.name, {"launches": 0, "us": 0.0})
+            k["launches"] += 1 / PROFILED_STEPS
+            k["us"] += e.device_time / PROFILED_STEPS
+    total = sum(k["us"] for k in kernels.values())
+    ours = sum(k["us"] for name, k in kernels.items() if name.startswith(XMIX_KERNELS))
+    return {"requests": len(prompts), "prompt_len": PROFILED_PROMPT_LEN, "per_step_of": PROFILED_STEPS,
+            "step_gpu_us": total, "xmix_us": ours, "xmix_share": ours / total, "kernels": kernels}
 
 
 def main(argv=None) -> dict:
@@ -279,7 +320,7 @@ def main(argv=None) -> dict:
         for _ in range(args.repeats):
             batch = prompts()
             for mode in modes:
-                runs[mode].append(run_once(set_mode(engines, app_names, mode), batch, out_len))
+                runs[mode].append(timed_run(engines, app_names, mode, batch, out_len))
         same_tokens = {mode: [r["tokens"] == n_r["tokens"] for r, n_r in zip(runs[mode], runs["native"])]
                        for mode in modes}
         if "steer" in modes and "eager_hook" in modes:  # the same steering, two ways
@@ -292,15 +333,13 @@ def main(argv=None) -> dict:
                                          "runs": runs, "summary": summarise(runs),
                                          "tokens_equal_native": same_tokens}
         reset(engines, app_names)
-    if args.profile and torch.cuda.is_available() and "production" in engines:
-        llm = set_mode(engines, app_names, "seven")
-        n, in_len, _ = table["decode"]
-        result["decode_step_kernels"] = kernel_names(llm, torch.randint(100, vocab - 100, (n, in_len),
-                                                                        generator=gen).tolist())
-        reset(engines, app_names)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+        if args.profile and torch.cuda.is_available() and "production" in engines:
+            llm = set_mode(engines, app_names, "seven")
+            result["workloads"][workload]["decode_step_kernels"] = decode_step_kernels(llm, prompts())
+            reset(engines, app_names)
+        if args.out:  # after each workload: a run cut short keeps what it measured
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
     return result
 
 

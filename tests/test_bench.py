@@ -52,6 +52,11 @@ def test_harness_runs_every_mode_and_the_modes_do_what_they_claim(tmp_path):
     assert all(same["installed_idle"]) and all(same["armed_idle"])  # idle apps and sites change nothing
     assert not any(same["steer"]) and not any(same["seven"])  # active apps do change the output
     assert all(same["steer_vs_eager_hook"])  # the installed steering app equals a torch forward hook
+    for mode in ("installed_idle", "steer", "seven"):  # the control plane's host time per step
+        assert all(r["steps"] > 0 and r["host_ms_per_step"] > 0 for r in decode["runs"][mode]), mode
+        assert decode["summary"][mode]["host_ms_per_step"]["median"] > 0
+    assert all(r["steps"] == 0 for r in decode["runs"]["armed_idle"])  # no resident op: nothing to prepare
+    assert "host_ms_per_step" not in decode["summary"]["native"]
     assert result["command"].startswith("python -m bench.serving")
 
 
@@ -70,3 +75,20 @@ def test_evaluation_harness_runs_every_mode_and_eval_serves_what_native_does(tmp
     assert result["eval_none_tokens_equal_native"] == [True, True]
     assert result["eval_steer_tokens_differ"] == [True, True]
     assert result["command"].startswith("python -m bench.evaluation")
+
+
+def test_research_harness_runs_each_task_on_both_and_they_agree(tmp_path):
+    """bench/research.py at toy size (fp32 on the CPU): each task timed on xmix-lens and on
+    TransformerLens over the same weights and prompts, and their answers agree."""
+    from bench import research
+
+    out = tmp_path / "research.json"
+    research.main(["--model", str(tiny_llama()), "--toy", "--repeats", "1", "--tl-batch", "4", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert set(result["tasks"]) == {"cache", "steer", "generate"}
+    for name, task in result["tasks"].items():
+        assert task["speedup_vs_tl"] > 0 and len(task["seconds"]["xmix_lens"]) == 1, name
+    cache, steer, generate = (result["tasks"][n]["answer"] for n in ("cache", "steer", "generate"))
+    assert cache["xmix_lens"] == pytest.approx(cache["transformer_lens"], rel=1e-4)
+    assert steer["xmix_lens"] == pytest.approx(steer["transformer_lens"], rel=1e-4)
+    assert set(generate["transformer_lens"]) == {generate["xmix_lens"]}  # prompt + new tokens, every batch

@@ -4,6 +4,7 @@ References: the same hooks run per call (run_with_hooks, the host-planned path, 
 against TransformerLens in compat_tests). Graph safety is checked as what CUDA-graph replay
 needs: every step launches the same kernels with the same tensors, whatever is selected,
 activated or re-parameterised, and nothing recompiles."""
+import gc
 import json
 
 import pytest
@@ -294,3 +295,71 @@ def test_per_token_apps_become_resident_and_equal_traced_hooks(served):
         assert model.last_run_stats["cached_tokens"] > 0  # while the same app's own KV is reused
     finally:
         model.uninstall("res-steer")
+
+
+def test_reads_leave_no_python_objects_behind_as_steps_run(installed):
+    """Every step's reads go into one host buffer per read op (control.ReadLog), not into objects
+    per request and step: what the garbage collector tracks stays flat while 8 reading requests
+    generate, and each request's reads still come back whole."""
+    model, apps, _ = installed
+    control = model.engine.runtime.control
+    rows = [model.to_tokens(p)[0].tolist() for p in PROMPTS * 2]
+    plan = PassPlan(rows, [0] * len(rows), model._trace_hooks(len(rows), max(map(len, rows))), None, 64,
+                    {"temperature": 0.0, "ignore_eos": True}, [("cp-probe",)] * len(rows))
+    tracked = []
+    prepare = control.prepare_step
+
+    def counting(*args, **kwargs):
+        prepare(*args, **kwargs)
+        tracked.append(len(gc.get_objects()))
+
+    control.prepare_step = counting
+    try:
+        (outcome,) = model._run([plan])
+    finally:
+        del control.prepare_step
+    assert len(tracked) >= 60
+    middle, late = tracked[len(tracked) // 4], tracked[-2]
+    # the old messenger filed ~3 tracked objects per request and step: 8 x 3 x 30 steps here
+    assert late - middle < 100, (middle, late)
+    for row, tokens in enumerate(rows):
+        positions, values = next(iter(outcome.results.app_results[row].values()))
+        assert positions.tolist() == list(range(len(tokens) + 64 - 1))
+
+
+def test_read_log_returns_each_requests_latest_values_across_chunks_and_recycles():
+    """The read log against a dict of (request, position) -> latest value: steps of mixed
+    requests across chunk boundaries, positions computed twice, taken and forgotten requests,
+    and chunks reused once nothing alive is left in them."""
+    import numpy as np
+
+    from xmix_lens.backend.vllm.control import ReadLog
+
+    alive = {0, 1, 2, 3}
+    log = ReadLog(3, pin=False, alive=lambda: np.array(sorted(alive), dtype=np.int64))
+    log.chunk_rows = 8  # small chunks: steps cross them
+    gen = torch.Generator().manual_seed(0)
+    expected = {}
+    for step in range(12):
+        owner = torch.randint(-1, 4 if step == 0 else 3, (5,), generator=gen).numpy()  # 3: the first step only
+        owner[0] = 3 if step == 0 else owner[0]
+        positions = torch.randint(0, 6, (5,), generator=gen)  # repeats: recomputed positions
+        values = torch.randn(5, 3, generator=gen)
+        log.append(values, positions, owner)
+        for o, p, v in zip(owner.tolist(), positions.tolist(), values):
+            if o >= 0:
+                expected.setdefault(o, {})[p] = v  # the latest value wins
+    for number in (0, 1):
+        positions, values = log.take(number)
+        assert positions.tolist() == sorted(expected[number])
+        assert torch.equal(values, torch.stack([expected[number][p] for p in sorted(expected[number])]))
+        assert log.take(number) is None  # taken once
+    alive -= {0, 1, 2}  # 2 forgotten without taking; 3 still alive
+    chunks = len(log.chunks)
+    for _ in range(4):  # chunks holding nothing of request 3 are reused before any is made
+        log.append(torch.zeros(8, 3), torch.zeros(8, dtype=torch.long), np.full(8, -1))
+    recycled = chunks + 4 - len(log.chunks)
+    holding_3 = sum(bool((c.owner[:c.used] == 3).any()) for c in log.chunks)
+    assert recycled >= 1 and holding_3 >= 1
+    positions, values = log.take(3)
+    assert positions.tolist() == sorted(expected[3])

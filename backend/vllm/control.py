@@ -21,17 +21,22 @@ Nothing is recaptured, restarted or drained for any of these.
 
 Reads (the messenger): a read op writes each live token's value into its ring buffer, slot
 `step % RING_DEPTH`, and the step's positions are copied beside them. When the next step is
-prepared, the host queues the copy of the finished step's slot into pinned host memory (stream
-ordered, non-blocking) and files values whose copy has completed under (request, position).
-A position computed twice (preemption recomputes a request; chunked prefill never does) keeps
-its latest value: nothing is lost or duplicated. Device memory, per engine:
-control 2 x MAX_RESIDENT_OPS x max_tokens int32, and per read op RING_DEPTH x max_tokens x width fp32.
+prepared, the host queues the copy of the finished step's slot into the op's read log (ReadLog: one
+host buffer per read op, pinned on a GPU, stream ordered and non-blocking), each row tagged with its
+request's number. Per step that is two copies and one small numpy array per read op, whatever the
+number of requests: no Python object per request, step or token stays behind (the garbage
+collector has nothing to walk). A request's values are gathered from the log once, when they are
+taken (`take_results`). A position computed twice (preemption recomputes a request; chunked
+prefill never does) keeps its latest value: nothing is lost or duplicated. Device memory, per
+engine: control 2 x MAX_RESIDENT_OPS x max_tokens int32, and per read op RING_DEPTH x max_tokens x
+width fp32.
 
 An op installed after the engine captured its CUDA graphs is not in them. Its launches run only in
 steps the engine runs without graphs: requests that select such an app make their steps eager
 (`needs_eager_steps`), which is correct and reported, never a silently dropped hook.
 """
 import hashlib
+import time
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -59,6 +64,7 @@ class ResidentOp:
     index: int  # its row of the control buffer
     op: LoweredOp
     ring: torch.Tensor | None = None  # reads: [RING_DEPTH * max_tokens, width] fp32
+    log: "ReadLog | None" = None  # reads: every step's values on the host, until their requests take them
     captured: bool = False  # launched while a CUDA graph was being captured
     retired: bool = False  # its app was uninstalled; kept only because a captured graph launches it
     placed: Placed | None = None  # at a sharded site of a TP engine: how this rank runs it
@@ -95,15 +101,104 @@ class ResidentApp:
 
 @dataclass
 class _Step:
-    """What the host keeps of a prepared step until its reads are filed."""
+    """A prepared step whose reads are not queued home yet."""
 
     slot: int
     n_tokens: int
-    req_ids: list[str]
-    query_start: np.ndarray  # [n + 1]
-    live: dict[int, tuple]  # read op index -> (bool [n_tokens]: its live tokens, the ResidentOp)
-    host: dict | None = None  # the pinned copies, once queued
-    event: object = None
+    read_rows: list[int]  # the control rows of the read ops on in the step
+    owners: np.ndarray  # [len(read_rows), n_tokens]: each token's request number, -1 where the op is off
+
+
+@dataclass
+class _Layout:
+    """The resident ops as arrays, for preparing a step in a few numpy operations whatever their
+    number (made again after an install or an uninstall)."""
+
+    rows: torch.Tensor  # [n] long: the control rows of the ops not retired
+    shifts: np.ndarray  # [n, 1] uint64: each op's app bit
+    reads: np.ndarray  # positions in `rows` of the ops with a read log
+    read_rows: np.ndarray  # and their control rows
+    table_ops: list  # ops with request-value tables
+
+
+CHUNK_BYTES = 4 << 20  # a read log's values come in chunks of about this size (pinned memory on a GPU)
+
+
+@dataclass(eq=False)
+class _Chunk:
+    values: torch.Tensor  # [rows, width] fp32
+    positions: torch.Tensor  # [rows] int64
+    owner: np.ndarray  # [rows] int64: the number of the request each row belongs to; -1: nobody's
+    used: int = 0
+
+
+class ReadLog:
+    """One read op's values of every step, on the host, until their requests take them.
+
+    Rows are appended a step at a time (a copy of values and one of positions per chunk the step
+    reaches), each tagged with the number of the request its token belongs to. A request's rows
+    are found by one comparison over the tags when it takes them (`take`). When the log needs a
+    chunk it first recycles its oldest ones whose rows are all nobody's or of requests no longer
+    alive, so memory follows the reads not yet taken; copies into a recycled chunk are ordered
+    after those it held (one stream), so nothing waits."""
+
+    RECYCLE_CHECKS = 4  # oldest chunks looked at when a chunk is needed
+
+    def __init__(self, width: int, pin: bool, alive):
+        self.width, self.pin, self.alive = width, pin, alive  # alive(): the numbers of requests alive
+        self.chunk_rows = max(256, min(65536, CHUNK_BYTES // (4 * width)))
+        self.chunks: list[_Chunk] = []  # in the order they were filled (a recycled chunk goes last)
+
+    def append(self, values: torch.Tensor, positions: torch.Tensor, owner: np.ndarray) -> None:
+        """Queue a step's copy (stream ordered: the values are there once the step's event is)."""
+        done, n = 0, len(owner)
+        while done < n:
+            chunk = self.chunks[-1] if self.chunks and self.chunks[-1].used < self.chunk_rows else self._next_chunk()
+            k = min(n - done, self.chunk_rows - chunk.used)
+            rows = slice(chunk.used, chunk.used + k)
+            chunk.values[rows].copy_(values[done:done + k], non_blocking=self.pin)
+            chunk.positions[rows].copy_(positions[done:done + k], non_blocking=self.pin)
+            chunk.owner[rows] = owner[done:done + k]
+            chunk.used += k
+            done += k
+
+    def _next_chunk(self) -> _Chunk:
+        alive = None
+        for chunk in self.chunks[: self.RECYCLE_CHECKS]:
+            if alive is None:
+                alive = self.alive()
+            if not np.isin(chunk.owner[:chunk.used], alive).any():
+                self.chunks.remove(chunk)
+                chunk.used = 0
+                break
+        else:
+            chunk = _Chunk(_host_empty((self.chunk_rows, self.width), torch.float32, self.pin),
+                           _host_empty((self.chunk_rows,), torch.long, self.pin),
+                           np.full(self.chunk_rows, -1, dtype=np.int64))
+        self.chunks.append(chunk)
+        return chunk
+
+    def take(self, number: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A request's (positions [n], values [n, width]) by position, the latest value of a
+        position computed twice; its rows are then nobody's."""
+        positions, values = [], []
+        for chunk in self.chunks:  # in fill order: later rows are later steps
+            rows = np.flatnonzero(chunk.owner[:chunk.used] == number)
+            if len(rows):
+                chunk.owner[rows] = -1
+                positions.append(chunk.positions.numpy()[rows])
+                values.append(chunk.values[torch.from_numpy(rows)])
+        if not positions:
+            return None
+        positions = np.concatenate(positions)
+        order = np.argsort(positions, kind="stable")
+        ordered = positions[order]
+        latest = order[np.append(ordered[1:] != ordered[:-1], True)]  # the last row of each position
+        return torch.from_numpy(positions[latest]), torch.cat(values)[torch.from_numpy(latest)]
+
+    def clear(self) -> None:
+        for chunk in self.chunks:
+            chunk.owner[:chunk.used] = -1
 
 
 @dataclass
@@ -116,7 +211,6 @@ class ControlPlane:
     by_site: dict[int, list[ResidentOp]] = field(default_factory=dict)
     selected: dict[str, frozenset] = field(default_factory=dict)  # vLLM request id -> its apps
     defaults: frozenset = frozenset()  # the apps of requests that chose none (e.g. sent to vLLM directly)
-    results: dict[str, dict] = field(default_factory=dict)  # request id -> (app, read key) -> [(pos, values)]
     step_count: int = 0
     comm: object = None  # a TP engine's collectives (sharding.TPCollectives), for ops placed as a gather
     delivers: bool = True  # whether this rank sends reads home (TP: rank 0 only)
@@ -133,10 +227,20 @@ class ControlPlane:
         # (device="cpu" explicitly: vLLM builds the model under a default-device context)
         self._staging = [torch.full((MAX_RESIDENT_OPS, 3, self.max_tokens), -1, dtype=torch.int32, device="cpu",
                                     pin_memory=pin) for _ in range(RING_DEPTH)]
-        self._staged_events = [None] * RING_DEPTH
+        # made once and recorded again each step (no object per step)
+        self._staged_events = [torch.cuda.Event() for _ in range(RING_DEPTH)] if pin else None
+        self._copied_home = torch.cuda.Event() if pin else None  # after the last queued copy into the read logs
         self.ring_positions = torch.zeros(RING_DEPTH, self.max_tokens, dtype=torch.long, device=self.device)
-        self._pending: list[_Step] = []  # prepared steps whose reads are not filed yet
+        self._unqueued: _Step | None = None  # the prepared step whose reads are not queued home yet
         self._pin = pin
+        self._number: dict[str, int] = {}  # request id -> its number in the read logs
+        self._next_number = 0
+        self._layout: _Layout | None = None
+        # the last step's requests and their masks and numbers, reused while neither changes
+        self._choices_version = 0
+        self._last_choices: tuple | None = None
+        # host time in prepare_step (a bench field: the control plane's work per step)
+        self.host_seconds, self.host_steps = 0.0, 0
         self._bit: dict[str, int] = {}  # app name -> its bit in the per-request masks
         self._request_bits: dict[str, int] = {}  # request id -> the bits of its selected apps
         self._default_bits = 0
@@ -173,6 +277,9 @@ class ControlPlane:
                 if isinstance(op, (Read, GeneratedRead)):
                     width = int(np.prod(op.feature_shape, dtype=np.int64))
                     entry.ring = torch.zeros(RING_DEPTH * self.max_tokens, width, device=self.device)
+                    entry.log = ReadLog(width, self._pin, self._alive_numbers) if self.delivers else None
+                    for s, staging in enumerate(self._staging):  # token t's slot in the ring: the same every step
+                        staging[entry.index, DEST] = torch.arange(self.max_tokens, dtype=torch.int32) + s * self.max_tokens
                 self.slots += [None] * (entry.index + 1 - len(self.slots))
                 self.slots[entry.index] = entry
                 self.by_site.setdefault(site, []).append(entry)
@@ -180,6 +287,8 @@ class ControlPlane:
         app = self.apps[name] = ResidentApp(name, resident, params=dict(params or {}))
         app.refresh_digest()
         self._bit[name] = min(set(range(MAX_RESIDENT_OPS)) - set(self._bit.values()))
+        self._layout = None
+        self._choices_version += 1  # the cached masks may lack read-log numbers the new app needs
         return app
 
     def _with_tables(self, app: str, op: LoweredOp, placed) -> tuple[LoweredOp, dict]:
@@ -235,6 +344,8 @@ class ControlPlane:
         self.defaults -= {name}
         self._request_bits = {r: self._bits(names) for r, names in self.selected.items()}
         self._default_bits = self._bits(self.defaults)
+        self._layout = None
+        self._choices_version += 1
 
     def check_installed(self, names) -> None:
         for name in names:
@@ -245,6 +356,8 @@ class ControlPlane:
         self.check_installed(names)
         self.selected[req_id] = frozenset(names)
         self._request_bits[req_id] = self._bits(names)
+        self._numbered(req_id)
+        self._choices_version += 1
         valued = {app: v for app, v in (values or {}).items() if app in names and v}
         if valued and req_id not in self._slot:
             if not self._free_slots:
@@ -272,26 +385,47 @@ class ControlPlane:
         self.check_installed(names)
         self.defaults = frozenset(names)
         self._default_bits = self._bits(names)
+        self._choices_version += 1
 
     def forget(self, req_id: str) -> None:
-        """A finished request: its choice and any reads not taken; reads of its last steps, filed
-        later, are dropped (`_file`)."""
+        """A finished request: its choice and any reads not taken (its rows in the read logs are
+        nobody's from now on, also those of its last steps still on their way home)."""
         self.selected.pop(req_id, None)
         self._request_bits.pop(req_id, None)
-        self.results.pop(req_id, None)
+        self._number.pop(req_id, None)
         self.release_values(req_id)
+        self._choices_version += 1
 
     def take_results(self, req_id: str) -> dict:
-        """Each read's values for a request, by (app, read key): (positions [n], values [n, width])."""
+        """Each read's values for a request so far, by (app, read key): (positions [n], values
+        [n, width]), sorted by position. The caller drains first (`drain`)."""
+        number = self._number.get(req_id)
+        if number is None:
+            return {}
         out = {}
-        for key, chunks in self.results.pop(req_id, {}).items():
-            by_position = {}
-            for positions, values in chunks:  # later chunks win: a recomputed position counts once
-                for p, v in zip(positions.tolist(), values):
-                    by_position[p] = v
-            order = sorted(by_position)
-            out[key] = (torch.tensor(order, dtype=torch.long), torch.stack([by_position[p] for p in order]))
+        for op in self.ops:
+            taken = op.log.take(number) if op.log is not None else None
+            if taken is not None:
+                out[(op.app, op.op.key)] = taken
         return out
+
+    def clear_reads(self) -> None:
+        """Every read so far dropped (those of requests that no call collects, sent to vLLM directly)."""
+        self.drain()
+        for op in self.ops:
+            if op.log is not None:
+                op.log.clear()
+
+    def _alive_numbers(self) -> np.ndarray:
+        return np.fromiter(self._number.values(), dtype=np.int64, count=len(self._number))
+
+    def _numbered(self, req_id: str) -> int:
+        number = self._number.get(req_id)
+        if number is None:
+            number = self._number[req_id] = self._next_number
+            self._next_number += 1
+            self._choices_version += 1
+        return number
 
     def _app(self, name: str) -> ResidentApp:
         if name not in self.apps:
@@ -310,51 +444,83 @@ class ControlPlane:
         """Fill the control rows for the coming step and queue the previous step's reads home."""
         if not self.ops:
             return
+        started = time.perf_counter()
+        self._prepare(req_ids, query_start, n_tokens, positions, n_padded)
+        self.host_seconds += time.perf_counter() - started
+        self.host_steps += 1
+
+    def _prepare(self, req_ids, query_start, n_tokens, positions, n_padded) -> None:
         self._queue_home()
         query_start = np.asarray(query_start[: len(req_ids) + 1])
-        # each request's active apps as a bit mask (bit i: the i-th installed app)
-        # plain dict lookups per request: on the in-process engine, host time per step is latency
-        chosen, default = self._request_bits, self._default_bits
-        request_bits = np.fromiter((chosen.get(r, default) for r in req_ids), dtype=np.uint64, count=len(req_ids))
+        layout = self._layout or self._make_layout()
+        request_bits, numbers = self._choices(req_ids, need_numbers=len(layout.reads) > 0)
         if not request_bits.any() and self._idle:
             return  # the device rows are all -1 already (up to max_tokens): nothing to write
         slot = self.step_count % RING_DEPTH
         self.step_count += 1
         staging = self._staging[slot]
-        if self._staged_events[slot] is not None:
+        if self._pin:
             self._staged_events[slot].synchronize()  # its copy from two steps ago is long done
         # a step with no app resets every row (idle steps after it skip the copy); others the step's
         width = max(n_padded or n_tokens, n_tokens) if request_bits.any() else self.max_tokens
         rows_used = len(self.slots)
-        staging[:rows_used, ROWS:TABLE, :width] = -1
-        staging[:rows_used, TABLE, :width] = 0
+        staging[:rows_used, ROWS, :width] = -1  # DEST rows are constant (install), TABLE rows below
+        per_request = np.diff(query_start)
+        token_bits = np.repeat(request_bits, per_request)
         tokens = np.arange(n_tokens, dtype=np.int32)
-        token_bits = np.repeat(request_bits, np.diff(query_start))
-        live: dict[int, np.ndarray] = {}
-        for op in self.ops:
-            if op.retired:
-                continue  # selected by nobody: its row stays -1
-            on = (token_bits >> self._bit[op.app]) & 1 == 1
-            if not on.any():
-                continue
-            staging[op.index, ROWS, :n_tokens] = torch.from_numpy(np.where(on, tokens, -1))
-            if op.tables and self._slot:
+        on = (token_bits[None, :] >> layout.shifts) & 1 == 1  # [ops, tokens]: whether the op runs on the token
+        staging[layout.rows, ROWS, :n_tokens] = torch.from_numpy(np.where(on, tokens, -1))
+        for op in layout.table_ops:
+            staging[op.index, TABLE, :width] = 0
+            if self._slot:
                 own = np.fromiter((slot if op.app in apps else 0
                                    for slot, apps in (self._slot.get(r, (0, ())) for r in req_ids)),
                                   dtype=np.int32, count=len(req_ids))
-                staging[op.index, TABLE, :n_tokens] = torch.from_numpy(np.repeat(own, np.diff(query_start)))
-            if op.ring is not None:
-                staging[op.index, DEST, :n_tokens] = torch.from_numpy(tokens + slot * self.max_tokens)
-                live[op.index] = (on, op)
+                staging[op.index, TABLE, :n_tokens] = torch.from_numpy(np.repeat(own, per_request))
         # launches read rows [:T], T (x's tokens, padding included) <= width: the rest may be stale
         self.control[:rows_used, :, :width].copy_(staging[:rows_used, :, :width], non_blocking=self._pin)
         self._idle = not request_bits.any()
         if self._pin:
-            self._staged_events[slot] = torch.cuda.Event()
             self._staged_events[slot].record()
-        if live and self.delivers:
-            self.ring_positions[slot, :n_tokens].copy_(positions[:n_tokens], non_blocking=True)
-            self._pending.append(_Step(slot, n_tokens, list(req_ids), query_start, live))
+        if len(layout.reads) and self.delivers:
+            read_on = on[layout.reads]
+            live = read_on.any(axis=1)
+            if live.any():
+                self.ring_positions[slot, :n_tokens].copy_(positions[:n_tokens], non_blocking=True)
+                owners = np.where(read_on[live], np.repeat(numbers, per_request), -1)
+                self._unqueued = _Step(slot, n_tokens, layout.read_rows[live].tolist(), owners)
+
+    def _make_layout(self) -> _Layout:
+        ops = [op for op in self.ops if not op.retired]  # a retired op's row stays -1: selected by nobody
+        reads = [i for i, op in enumerate(ops) if op.log is not None]
+        self._layout = _Layout(torch.tensor([op.index for op in ops], dtype=torch.long),
+                               np.array([self._bit[op.app] for op in ops], dtype=np.uint64).reshape(-1, 1),
+                               np.array(reads, dtype=np.int64), np.array([ops[i].index for i in reads], dtype=np.int64),
+                               [op for op in ops if op.tables])
+        return self._layout
+
+    def _choices(self, req_ids: list[str], need_numbers: bool) -> tuple[np.ndarray, np.ndarray | None]:
+        """Each request's active apps as a bit mask (bit i: the i-th installed app) and its number
+        in the read logs: the last step's arrays while its requests and their choices are the same
+        (most decode steps), else plain dict lookups per request."""
+        last = self._last_choices
+        if last is not None and last[0] == self._choices_version and last[1] == req_ids:
+            return last[2], last[3]
+        chosen, default = self._request_bits, self._default_bits
+        bits = np.fromiter((chosen.get(r, default) for r in req_ids), dtype=np.uint64, count=len(req_ids))
+        numbers = self._request_numbers(req_ids) if need_numbers else None
+        self._last_choices = (self._choices_version, list(req_ids), bits, numbers)
+        return bits, numbers
+
+    def _request_numbers(self, req_ids: list[str]) -> np.ndarray:
+        """Each request's number in the read logs; requests that chose nothing get one while
+        default apps are set (their reads are kept, for a later call that takes them)."""
+        known = self._number
+        numbers = np.fromiter((known.get(r, -1) for r in req_ids), dtype=np.int64, count=len(req_ids))
+        if self.defaults:
+            for i in np.flatnonzero(numbers < 0):
+                numbers[i] = self._numbered(req_ids[i])
+        return numbers
 
     def _bits(self, names) -> int:
         return sum(1 << self._bit[n] for n in names)
@@ -381,51 +547,30 @@ class ControlPlane:
 
     # --- the messenger ----------------------------------------------------------------------------
     def _queue_home(self) -> None:
-        """Queue the copy home of every prepared step's reads (the last one has finished computing
-        by the time anything runs after it on the stream), then file those that have arrived."""
-        for step in self._pending:
-            if step.host is None:
-                n, base = step.n_tokens, step.slot * self.max_tokens
-                step.host = {"positions": _home(self.ring_positions[step.slot, :n], self._pin)}
-                for index in step.live:
-                    step.host[index] = _home(step.live[index][1].ring[base: base + n], self._pin)
-                if self._pin:
-                    step.event = torch.cuda.Event()
-                    step.event.record()
-        while self._pending and (self._pending[0].event is None or self._pending[0].event.query()):
-            self._file(self._pending.pop(0))
+        """Queue the copy of the prepared step's reads into the read logs (its forward is on the
+        stream before anything that runs after it: stream ordered, the copy waits for it)."""
+        step, self._unqueued = self._unqueued, None
+        if step is None:
+            return
+        n, base = step.n_tokens, step.slot * self.max_tokens
+        positions = self.ring_positions[step.slot, :n]
+        for index, owner in zip(step.read_rows, step.owners):
+            self.slots[index].log.append(self.slots[index].ring[base: base + n], positions, owner)
+        if self._pin:
+            self._copied_home.record()
 
     def drain(self) -> None:
-        """File every read of the steps run so far (the end of a batch of requests)."""
+        """Every read of the steps run so far in the read logs (before results are taken)."""
         self._queue_home()
-        while self._pending:
-            step = self._pending.pop(0)
-            if step.event is not None:
-                step.event.synchronize()
-            self._file(step)
-
-    def _file(self, step: _Step) -> None:
-        """Each request's live tokens of each read, as views of the step's host copy: one gather
-        and one split per read, then a dict append per request (this runs between steps)."""
-        positions = step.host["positions"]
-        for index, (on, op) in step.live.items():
-            key, values = (op.app, op.op.key), step.host[index]
-            live = torch.from_numpy(on)
-            counted = np.concatenate([[0], np.cumsum(on)])  # live tokens before each token
-            per_request = (counted[step.query_start[1:]] - counted[step.query_start[:-1]]).tolist()
-            pos_chunks = positions[live].split(per_request)
-            value_chunks = values[live].split(per_request)
-            for req_id, count, pos, vals in zip(step.req_ids, per_request, pos_chunks, value_chunks):
-                if count and (req_id in self.selected or self.defaults):
-                    self.results.setdefault(req_id, {}).setdefault(key, []).append((pos, vals))
+        if self._pin:
+            self._copied_home.synchronize()
 
 
-def _home(t: torch.Tensor, pin: bool) -> torch.Tensor:
-    if not pin:
-        return t.clone()
-    host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
-    host.copy_(t, non_blocking=True)
-    return host
+def _host_empty(shape: tuple, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    # a normal tensor, also when made during a step (vLLM runs those in inference mode): the log is
+    # written outside it too (drain, before results are taken)
+    with torch.inference_mode(False):
+        return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=pin)
 
 
 def check_resident(app: str, ops_by_key: dict) -> None:

@@ -191,8 +191,7 @@ class SiteRuntime:
 
     def clear_results(self) -> None:
         """Drop the filed reads of requests that no call collects (sent to vLLM directly)."""
-        self.control.drain()
-        self.control.results.clear()
+        self.control.clear_reads()
 
     @property
     def installed(self) -> dict[str, AppInfo]:

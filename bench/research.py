@@ -1,0 +1,144 @@
+"""Research throughput against TransformerLens on the same device and weights, as ratios.
+
+    python -m bench.research --model DIR --out results.json     # DIR: an HF checkpoint (real weights)
+    python -m bench.research --model DIR --toy                   # the CPU run the tests make
+
+Three tasks a researcher runs over many prompts (random token ids, the same for both):
+  cache     run_with_cache over N prompts, four residual hook points cached, return_type=None
+  steer     run_with_hooks with a steering write at the middle layer, return_type="loss"
+  generate  greedy generate with the same steering hook (`model.hooks(...)`), G prompts
+xmix-lens gets each task as one call (the engine batches it); TransformerLens (its
+TransformerBridge, compatibility mode without weight processing: the weights vLLM serves) in
+batches of --tl-batch, with its KV cache for generate. Each task runs once to warm up, then
+--repeats times, alternating the two. The ratio is TransformerLens's seconds over xmix-lens's.
+"""
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+from compat_tests.reference import TLReference
+from xmix_lens import HookedServedModel
+
+SIZES = {"full": {"n": 1000, "len": 64, "gen_prompts": 64, "gen_len": 16, "new": 64},
+         "toy": {"n": 6, "len": 8, "gen_prompts": 2, "gen_len": 4, "new": 3}}
+
+
+def steering(cfg, layer: int):
+    v = torch.randn(cfg.d_model, generator=torch.Generator().manual_seed(0)) * 0.05
+
+    def steer(act, hook):
+        return act + v.to(act.device, act.dtype)
+
+    return [(f"blocks.{layer}.hook_resid_post", steer)]
+
+
+def tasks(size: dict, n_layers: int):
+    """Each task as (name, run on xmix-lens, run on TransformerLens over a batch)."""
+    cached = [f"blocks.{i}.hook_resid_post" for i in sorted({0, n_layers // 3, 2 * n_layers // 3, n_layers - 1})]
+
+    def cache(model, tokens):  # the sum of squares of the last cached point: comparable over batches
+        _, c = model.run_with_cache(tokens, names_filter=cached, return_type=None)
+        return c[cached[-1]].float().square().sum().item()
+
+    def steer(model, tokens, hooks):
+        return float(model.run_with_hooks(tokens, fwd_hooks=hooks, return_type="loss"))
+
+    def generate(model, tokens, hooks):
+        with model.hooks(fwd_hooks=hooks):
+            out = model.generate(tokens, max_new_tokens=size["new"], do_sample=False, stop_at_eos=False,
+                                 verbose=False)
+        return out.shape[1]
+
+    return cached, {"cache": cache, "steer": steer, "generate": generate}
+
+
+def batched(run, tokens, batch: int) -> list:
+    return [run(tokens[i:i + batch]) for i in range(0, len(tokens), batch)]
+
+
+def row_weighted_mean(run, tokens, batch: int) -> float:
+    """The mean over rows of a per-batch mean (a loss), as one call over every row gives it."""
+    return sum(run(tokens[i:i + batch]) * len(tokens[i:i + batch]) for i in range(0, len(tokens), batch)) / len(tokens)
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--toy", action="store_true", help="tiny sizes, fp32 (the CPU run the tests make)")
+    parser.add_argument("--tl-batch", type=int, default=64, help="TransformerLens's batch size")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.4)
+    parser.add_argument("--out")
+    args = parser.parse_args(argv)
+    size = SIZES["toy" if args.toy else "full"]
+    dtype = torch.float32 if args.toy else getattr(torch, args.dtype)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    started = time.time()
+    kwargs = {"max_model_len": 256}
+    if device == "cuda":
+        kwargs["gpu_memory_utilization"] = args.gpu_memory_utilization
+    ours = HookedServedModel.from_pretrained(args.model, dtype=str(dtype).removeprefix("torch."), **kwargs)
+    build = {"xmix_lens_s": time.time() - started}
+    started = time.time()
+    tl = TLReference(args.model, device=device, dtype=dtype).bridge
+    build["transformer_lens_s"] = time.time() - started
+
+    cfg = ours.cfg
+    cached, runs = tasks(size, cfg.n_layers)
+    hooks = steering(cfg, cfg.n_layers // 2)
+    gen = torch.Generator().manual_seed(1234)
+    vocab = cfg.d_vocab
+
+    def tokens(n, length):
+        return torch.randint(100, vocab - 100, (n, length), generator=gen)
+
+    inputs = {"cache": tokens(size["n"], size["len"]), "steer": tokens(size["n"], size["len"]),
+              "generate": tokens(size["gen_prompts"], size["gen_len"])}
+    calls = {
+        "cache": (lambda t: runs["cache"](ours, t),
+                  lambda t: sum(batched(lambda b: runs["cache"](tl, b.to(device)), t, args.tl_batch))),
+        "steer": (lambda t: runs["steer"](ours, t, hooks),
+                  lambda t: row_weighted_mean(lambda b: runs["steer"](tl, b.to(device), hooks), t, args.tl_batch)),
+        "generate": (lambda t: runs["generate"](ours, t, hooks),
+                     lambda t: batched(lambda b: runs["generate"](tl, b.to(device), hooks), t, args.tl_batch)),
+    }
+    result = {"command": "python -m bench.research " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+              "versions": {"torch": torch.__version__, "vllm": __import__("vllm").__version__,
+                           "transformer_lens": __import__("transformer_lens").__version__ if
+                           hasattr(__import__("transformer_lens"), "__version__") else None},
+              "dtype": str(dtype), "sizes": size, "tl_batch": args.tl_batch, "cached": cached,
+              "engine_build_s": build, "tasks": {}}
+    for name, (on_ours, on_tl) in calls.items():
+        t = inputs[name]
+        warm = t[: max(2, len(t) // 10)]
+        on_ours(warm), on_tl(warm)
+        seconds = {"xmix_lens": [], "transformer_lens": []}
+        answers = {}
+        for _ in range(args.repeats):
+            for who, run in (("xmix_lens", on_ours), ("transformer_lens", on_tl)):
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                start = time.perf_counter()
+                answers[who] = run(t)
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                seconds[who].append(time.perf_counter() - start)
+        ours_s, tl_s = statistics.median(seconds["xmix_lens"]), statistics.median(seconds["transformer_lens"])
+        result["tasks"][name] = {"seconds": seconds, "prompts": len(t), "prompts_per_s_xmix": len(t) / ours_s,
+                                 "prompts_per_s_tl": len(t) / tl_s, "speedup_vs_tl": tl_s / ours_s,
+                                 "answer": answers}
+        print(f"{name}: xmix-lens {ours_s:.2f} s, TransformerLens {tl_s:.2f} s: {tl_s / ours_s:.1f}x", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -40,7 +40,7 @@ MAX_TOPK = 128
 PROGRAMS_PER_SM = 4  # the grid on a GPU: enough programs to hide latency, a bounded scratch
 
 __all__ = ["ARGS", "NUMBER", "REDUCTIONS", "MAX_LANES", "LANES_PER_PROGRAM", "MAX_BLOCK_ROWS", "MAX_TOPK",
-           "PROGRAMS_PER_SM", "Plan", "structure", "plan", "x_held", "dot_tile", "check_arguments"]
+           "PROGRAMS_PER_SM", "Plan", "structure", "plan", "x_held", "dot_tile", "narrow_tile", "check_arguments"]
 
 
 def structure(program, F: int) -> tuple:
@@ -175,11 +175,23 @@ def x_held(x: int, output: int, ops: tuple) -> bool:
 
 
 def dot_tile(n: int, block_rows: int) -> int:
-    """The input features a matmul of x takes per tl.dot (0: no tl.dot, rank-1 updates instead).
+    """The input features a matmul takes per tl.dot (0: no tl.dot, narrow tiles instead: narrow_tile).
     tl.dot needs 16 rows and 16 outputs at least; wider outputs take fewer features a tile so
     that the tile of W stays within registers."""
     lanes = triton.next_power_of_2(n)
     return 0 if block_rows < 16 or lanes < 16 else max(16, min(64, 8192 // lanes))
+
+
+# elements of the [rows, tile, outputs] product a narrow matmul sums per tile (in registers)
+NARROW_PRODUCT = 8192
+
+
+def narrow_tile(width_in: int, n: int, block_rows: int) -> int:
+    """The input features a matmul without tl.dot (too few rows or outputs) takes per tile: as many
+    as keep its [rows, tile, outputs] product within NARROW_PRODUCT elements (a dot product of a
+    4096-wide row takes two tiles, not 4096 dependent loads)."""
+    widest = NARROW_PRODUCT // (block_rows * triton.next_power_of_2(n))
+    return max(1, min(triton.next_power_of_2(width_in), 1 << (max(widest, 1).bit_length() - 1)))
 
 
 def check_arguments(plan: Plan, x, rows, program, table_index, out, dest):

@@ -20,7 +20,7 @@ from pathlib import Path
 import triton
 
 from ..ops import OPS
-from .program_format import ARGS, NUMBER, Plan, dot_tile, x_held
+from .program_format import ARGS, NUMBER, Plan, dot_tile, narrow_tile, x_held
 
 CACHE_DIR = Path(tempfile.gettempdir()) / "xmix_lens_generated"
 
@@ -172,42 +172,36 @@ class Source:
         w, lanes = f"c{args[1]}_ptr", self.lanes(n)
         if width_in == 1:
             return [f"{v} = {a} * {self.load(f'{w} + {lanes}', n)}  # a [1] @ [1, {n}]: a scaled row"]
-        row = self.load(f"{w} + j * {n} + {lanes}", n)
-        accumulate = [f"{v} = tl.zeros((BLOCK_ROWS, {triton.next_power_of_2(n)}), dtype=tl.float32)",
-                      f"for j in range({width_in}):"]
         tile = dot_tile(n, self.plan.block_rows)
-        if self.plan.ops[args[0]][0] == "x" and tile:
-            return [
-                f"# {v} = {a} @ {w[:-4]}, [{width_in}] @ [{width_in}, {n}]: tl.dot over tiles of {tile} input",
-                "# features, x's columns read from x itself (ieee: fp32 sums, as the twin's matmul)",
-                f"{v} = tl.zeros((BLOCK_ROWS, {triton.next_power_of_2(n)}), dtype=tl.float32)",
-                f"for f0 in range(0, {width_in}, {tile}):",
-                f"    f = f0 + tl.arange(0, {tile})",
-                f"    x_tile = tl.load(x_ptr + rows * x_row_stride + f[None, :], mask=live & (f[None, :] < {width_in}),"
-                " other=0.0).to(tl.float32)",
-                f"    w_tile = tl.load({w} + f[:, None] * {n} + {lanes}, mask=(f[:, None] < {width_in}) & {self.mask(n)},"
-                " other=0.0)",
-                f"    {v} += tl.dot(x_tile, w_tile, input_precision=\"ieee\")",
-            ]
-        if self.plan.ops[args[0]][0] == "x":
-            return [
-                f"# {v} = {a} @ {w[:-4]}, [{width_in}] @ [{width_in}, {n}]: a rank-1 update per input feature,",
-                "# the columns read from x itself",
-                *accumulate,
-                "    x_j = tl.load(x_ptr + rows * x_row_stride + j, mask=live, other=0.0).to(tl.float32)",
-                f"    {v} += x_j * {row}",
-            ]
-        offset = dict(self.plan.scratch)[i]
-        staged = f"scratch_rows + {offset}" if offset else "scratch_rows"
+        from_x = self.plan.ops[args[0]][0] == "x"
+        if from_x:  # x's columns read from x itself
+            source, source_mask, to_f32 = "x_ptr + rows * x_row_stride", "live & ", ".to(tl.float32)"
+            before, after = [], []
+        else:  # registers cannot be indexed by lane: the value goes through this program's scratch rows
+            offset = dict(self.plan.scratch)[i]
+            source, source_mask, to_f32 = f"scratch_rows + {offset}" if offset else "scratch_rows", "", ""
+            before = [f"tl.store({source} + {self.lanes(width_in)}, {a}, mask={self.mask(width_in)})",
+                      "tl.debug_barrier()  # every thread's stores are visible before any thread reads a tile"]
+            after = ["tl.debug_barrier()  # every tile is read before the next row block overwrites them"]
+        n_mask = self.mask(n)
+        w_mask = f"(f[:, None] < {width_in})" + (f" & {n_mask}" if n_mask else "")
+        if tile:
+            how = f"tl.dot over tiles of {tile} input features (ieee: fp32 sums, as the twin's matmul)"
+            accumulate = f"    {v} += tl.dot(in_tile, w_tile, input_precision=\"ieee\")"
+        else:  # too few rows or outputs for tl.dot: a broadcast product summed over each tile
+            tile = narrow_tile(width_in, n, self.plan.block_rows)
+            how = f"tiles of {tile} input features, each a broadcast product summed over the tile"
+            accumulate = f"    {v} += tl.sum(in_tile[:, :, None] * w_tile[None, :, :], axis=1)"
         return [
-            f"# {v} = {a} @ {w[:-4]}, [{width_in}] @ [{width_in}, {n}]: a rank-1 update per input feature.",
-            f"# Registers cannot be indexed by lane: {a} goes through this program's scratch rows, read back",
-            "# a column at a time.",
-            f"tl.store({staged} + {self.lanes(width_in)}, {a}, mask={self.mask(width_in)})",
-            "tl.debug_barrier()  # every thread's stores are visible before any thread reads a column",
-            *accumulate,
-            f"    {v} += tl.load({staged} + j) * {row}",
-            "tl.debug_barrier()  # every column is read before the next row block overwrites them",
+            f"# {v} = {a} @ {w[:-4]}, [{width_in}] @ [{width_in}, {n}]: {how}",
+            *before,
+            f"{v} = tl.zeros((BLOCK_ROWS, {triton.next_power_of_2(n)}), dtype=tl.float32)",
+            f"for f0 in range(0, {width_in}, {tile}):",
+            f"    f = f0 + tl.arange(0, {tile})",
+            f"    in_tile = tl.load({source} + f[None, :], mask={source_mask}(f[None, :] < {width_in}), other=0.0){to_f32}",
+            f"    w_tile = tl.load({w} + f[:, None] * {n} + {lanes}, mask={w_mask}, other=0.0)",
+            accumulate,
+            *after,
         ]
 
     def store(self) -> list[str]:

@@ -3,8 +3,8 @@
     python3 tests/gpu/generated_gpu.py $OUT/generated_gpu.json
 
 The CPU tests' programs (tests/test_generated_kernels.py; the CPU runs them in Triton's
-interpreter) at their test widths, and the SAE programs also at an 8B model's width (4096): the
-encoder read `x @ W_enc` takes the tl.dot path there. x in fp32 and bf16, some rows gated off (-1).
+interpreter) at their test widths and at an 8B model's width (4096): the SAE encoder read
+`x @ W_enc` takes the tl.dot path there, a gate's `x @ u` narrow tiles over row blocks of 4. x in fp32 and bf16, some rows gated off (-1).
 Checked as the CPU tests check (tests/kernel_checks.py: fp32 ~1e-5 relative, bf16 one ulp).
 """
 import json
@@ -62,7 +62,7 @@ def main(out: str) -> bool:
         if make is programs.patching:  # reads a per-token table: the CPU tests cover it
             continue
         wide = [4096] if DEVICE == "cuda" else []  # the interpreter takes minutes at this width
-        for F in ([64, *wide] if sae else [200]):
+        for F in ([64, *wide] if sae else [200, *wide]):  # 4096: row blocks of 4, narrow matmuls in tiles
             for dtype in (torch.float32, torch.bfloat16):
                 results[f"{make.__name__} F={F} {dtype}"] = check(make, F, dtype)
     results["_device"] = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (interpreter)"

@@ -114,7 +114,7 @@ class _Layout:
     """The resident ops as arrays, for preparing a step in a few numpy operations whatever their
     number (made again after an install or an uninstall)."""
 
-    rows: torch.Tensor  # [n] long: the control rows of the ops not retired
+    rows: torch.Tensor | slice  # the control rows of the ops not retired ([n] long; a slice where consecutive)
     shifts: np.ndarray  # [n, 1] uint64: each op's app bit
     reads: np.ndarray  # positions in `rows` of the ops with a read log
     read_rows: np.ndarray  # and their control rows
@@ -167,7 +167,8 @@ class ReadLog:
         for chunk in self.chunks[: self.RECYCLE_CHECKS]:
             if alive is None:
                 alive = self.alive()
-            if not np.isin(chunk.owner[:chunk.used], alive).any():
+            # request numbers are consecutive integers: a lookup table over their range, not a sort
+            if len(alive) == 0 or not np.isin(chunk.owner[:chunk.used], alive, kind="table").any():
                 self.chunks.remove(chunk)
                 chunk.used = 0
                 break
@@ -493,7 +494,10 @@ class ControlPlane:
     def _make_layout(self) -> _Layout:
         ops = [op for op in self.ops if not op.retired]  # a retired op's row stays -1: selected by nobody
         reads = [i for i, op in enumerate(ops) if op.log is not None]
-        self._layout = _Layout(torch.tensor([op.index for op in ops], dtype=torch.long),
+        indices = [op.index for op in ops]
+        consecutive = indices == list(range(indices[0], indices[0] + len(indices))) if indices else False
+        self._layout = _Layout(slice(indices[0], indices[-1] + 1) if consecutive
+                               else torch.tensor(indices, dtype=torch.long),
                                np.array([self._bit[op.app] for op in ops], dtype=np.uint64).reshape(-1, 1),
                                np.array(reads, dtype=np.int64), np.array([ops[i].index for i in reads], dtype=np.int64),
                                [op for op in ops if op.tables])

@@ -136,7 +136,16 @@ def norm_read(F, gen):
     return p.build()
 
 
-WRITES = [steering_gate, clamp, gated_ablation, norm_rescale, patching, sae_clamp]
+def matmul_gate(F, gen):
+    """x + relu(x @ u) * v, the gate as a one-output matmul (as `act @ u` lowers)"""
+    p = Program()
+    x = p.op("x", shape=(F,))
+    gate = p.op("relu", p.matmul(x, randn(F, 1, gen=gen)), shape=(1,))
+    p.op("add", x, p.op("mul", gate, p.const(randn(F, gen=gen)), shape=(F,)), shape=(F,))
+    return p.build()
+
+
+WRITES = [steering_gate, matmul_gate, clamp, gated_ablation, norm_rescale, patching, sae_clamp]
 READS = [softmax_dot, norm_read, sae_reconstruction, sae_feature_read]
 
 
@@ -414,3 +423,13 @@ def test_kernels_compile_for_a_gpu():
     done = subprocess.run([sys.executable, "-c", COMPILE], input=json.dumps(jobs), env=env, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_a_narrow_matmul_of_a_wide_row_takes_tiles_not_a_loop_per_feature(gen):
+    """At an 8B model's width the gate's x @ u (one output, row blocks of 4: no tl.dot) sums
+    broadcast products over two 2048-feature tiles; it was 4,096 dependent rank-1 updates."""
+    kernel, _ = program_kernel.generate_kernel(matmul_gate(4096, gen), 4096)
+    source = kernel.path.read_text()
+    assert kernel.plan.block_rows == 4 and program_format.narrow_tile(4096, 1, 4) == 2048
+    assert "for f0 in range(0, 4096, 2048):" in source and "tl.sum(in_tile[:, :, None] * w_tile[None, :, :]" in source
+    assert "for j in range(4096)" not in source

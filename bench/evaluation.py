@@ -24,6 +24,7 @@ import time
 
 import torch
 
+from bench import write_result
 from xmix_lens import App
 from xmix_lens.model import IN_PROCESS_ENVIRONMENT
 
@@ -155,9 +156,7 @@ def main(argv=None) -> dict:
               # steps of the xmix engine run without CUDA graphs (0: every eval step replayed its graphs)
               "xmix_eager_steps": getattr(model.engine.runtime, "eager_steps", None)}
     print(json.dumps(summary, indent=1), "eval_none tokens equal native:", equal)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+    write_result(result, args.out)
     model.shutdown()
     from xmix_lens.backend.vllm import adapter
 

@@ -9,17 +9,19 @@ Three tasks a researcher runs over many prompts (random token ids, the same for 
   generate  greedy generate with the same steering hook (`model.hooks(...)`), G prompts
 xmix-lens gets each task as one call (the engine batches it); TransformerLens (its
 TransformerBridge, compatibility mode without weight processing: the weights vLLM serves) in
-batches of --tl-batch, with its KV cache for generate. Each task runs once to warm up, then
---repeats times, alternating the two. The ratio is TransformerLens's seconds over xmix-lens's.
+batches of --tl-batch, with its KV cache for generate. Both run under torch.no_grad (as research
+code does; TransformerLens otherwise records autograd graphs). Each task runs once to warm up,
+then --repeats times, alternating the two. The ratio is TransformerLens's seconds over xmix-lens's.
 """
 import argparse
-import json
+import importlib.metadata
 import statistics
 import sys
 import time
 
 import torch
 
+from bench import write_result
 from compat_tests.reference import TLReference
 from xmix_lens import HookedServedModel
 
@@ -110,14 +112,14 @@ def main(argv=None) -> dict:
     result = {"command": "python -m bench.research " + " ".join(argv if argv is not None else sys.argv[1:]),
               "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
               "versions": {"torch": torch.__version__, "vllm": __import__("vllm").__version__,
-                           "transformer_lens": __import__("transformer_lens").__version__ if
-                           hasattr(__import__("transformer_lens"), "__version__") else None},
+                           "transformer_lens": importlib.metadata.version("transformer-lens")},
               "dtype": str(dtype), "sizes": size, "tl_batch": args.tl_batch, "cached": cached,
               "engine_build_s": build, "tasks": {}}
     for name, (on_ours, on_tl) in calls.items():
         t = inputs[name]
         warm = t[: max(2, len(t) // 10)]
-        on_ours(warm), on_tl(warm)
+        with torch.no_grad():
+            on_ours(warm), on_tl(warm)
         seconds = {"xmix_lens": [], "transformer_lens": []}
         answers = {}
         for _ in range(args.repeats):
@@ -125,7 +127,8 @@ def main(argv=None) -> dict:
                 if device == "cuda":
                     torch.cuda.synchronize()
                 start = time.perf_counter()
-                answers[who] = run(t)
+                with torch.no_grad():
+                    answers[who] = run(t)
                 if device == "cuda":
                     torch.cuda.synchronize()
                 seconds[who].append(time.perf_counter() - start)
@@ -134,9 +137,7 @@ def main(argv=None) -> dict:
                                  "prompts_per_s_tl": len(t) / tl_s, "speedup_vs_tl": tl_s / ours_s,
                                  "answer": answers}
         print(f"{name}: xmix-lens {ours_s:.2f} s, TransformerLens {tl_s:.2f} s: {tl_s / ours_s:.1f}x", flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+    write_result(result, args.out)
     return result
 
 

@@ -19,7 +19,6 @@ With --profile, a decode step of each workload (the seven apps active) is profil
 kernel's time and launches, xmix-lens's own and the step's total.
 """
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -29,6 +28,7 @@ from types import SimpleNamespace
 
 import torch
 
+from bench import write_result
 from xmix_lens import App
 from xmix_lens.model import IN_PROCESS_ENVIRONMENT
 
@@ -337,9 +337,7 @@ def main(argv=None) -> dict:
             llm = set_mode(engines, app_names, "seven")
             result["workloads"][workload]["decode_step_kernels"] = decode_step_kernels(llm, prompts())
             reset(engines, app_names)
-        if args.out:  # after each workload: a run cut short keeps what it measured
-            with open(args.out, "w") as f:
-                json.dump(result, f, indent=1)
+        write_result(result, args.out)  # after each workload: a run cut short keeps what it measured
     return result
 
 

@@ -92,3 +92,13 @@ def test_research_harness_runs_each_task_on_both_and_they_agree(tmp_path):
     assert cache["xmix_lens"] == pytest.approx(cache["transformer_lens"], rel=1e-4)
     assert steer["xmix_lens"] == pytest.approx(steer["transformer_lens"], rel=1e-4)
     assert set(generate["transformer_lens"]) == {generate["xmix_lens"]}  # prompt + new tokens, every batch
+
+
+def test_host_step_harness_times_prepare_step_with_requests_coming_and_going():
+    """bench/host_step.py at toy size: a time per step for each request count, over batches of
+    requests that finish (their reads taken) and are replaced."""
+    from bench import host_step
+
+    result = host_step.main(["--model", str(tiny_llama()), "--requests", "4,8", "--steps", "30",
+                             "--request-steps", "7"])
+    assert set(result["host_ms_per_step"]) == {"4", "8"} and all(v > 0 for v in result["host_ms_per_step"].values())

@@ -363,3 +363,34 @@ def test_read_log_returns_each_requests_latest_values_across_chunks_and_recycles
     assert recycled >= 1 and holding_3 >= 1
     positions, values = log.take(3)
     assert positions.tolist() == sorted(expected[3])
+
+
+def test_uninstalling_a_reading_app_before_its_last_step_goes_home_is_safe(served):
+    """A step's reads are copied home when the next step is prepared (or at drain): an app
+    uninstalled in between, its control row freed (and taken by a new app), must neither break
+    that copy nor put its values in another op's log."""
+    import numpy as np
+
+    from xmix_lens.backend.vllm.control import ControlPlane
+
+    model = served[MODEL]
+    runtime = model.engine.runtime
+    w = vector(model.cfg.d_model, 5)
+    plane = ControlPlane(torch.device("cpu"), 64)
+
+    def install(name):
+        kept = {}
+        lowered = model._lower_app(name, [("blocks.1.hook_resid_post", lambda act, hook: kept.update(s=act @ w))])
+        return plane.install(name, runtime._place_all(lowered.ops, resident=True))
+
+    first = install("first-probe")
+    plane.select("r0", ["first-probe"])
+    plane.prepare_step(["r0"], [0, 3], 3, torch.arange(3))
+    first.ops[0].ring[:3] = torch.tensor([[1.0], [2.0], [3.0]])  # what the step's launch wrote
+    plane.uninstall("first-probe")
+    second = install("second-probe")  # takes the freed control row
+    assert second.ops[0].index == first.ops[0].index
+    plane.drain()
+    assert first.ops[0].log.take(plane._number["r0"])[0].tolist() == [0, 1, 2]
+    assert all(c.used == 0 for c in second.ops[0].log.chunks) and not np.any(
+        [c.owner[:c.used] >= 0 for c in second.ops[0].log.chunks])

@@ -1291,8 +1291,6 @@ def own_process_environment(environ=os.environ) -> dict:
 
 
 def _in_process_environment() -> None:
-    import torch
-
     for name, value in {**IN_PROCESS_ENVIRONMENT, **({} if torch.cuda.is_available() else CPU_ENVIRONMENT)}.items():
         os.environ.setdefault(name, value)
 

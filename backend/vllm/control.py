@@ -105,8 +105,8 @@ class _Step:
 
     slot: int
     n_tokens: int
-    read_rows: list[int]  # the control rows of the read ops on in the step
-    owners: np.ndarray  # [len(read_rows), n_tokens]: each token's request number, -1 where the op is off
+    read_ops: list  # the read ops on in the step (held: an uninstall before the copy home frees their rows)
+    owners: np.ndarray  # [len(read_ops), n_tokens]: each token's request number, -1 where the op is off
 
 
 @dataclass
@@ -117,7 +117,7 @@ class _Layout:
     rows: torch.Tensor | slice  # the control rows of the ops not retired ([n] long; a slice where consecutive)
     shifts: np.ndarray  # [n, 1] uint64: each op's app bit
     reads: np.ndarray  # positions in `rows` of the ops with a read log
-    read_rows: np.ndarray  # and their control rows
+    read_ops: list  # those ops
     table_ops: list  # ops with request-value tables
 
 
@@ -489,7 +489,7 @@ class ControlPlane:
             if live.any():
                 self.ring_positions[slot, :n_tokens].copy_(positions[:n_tokens], non_blocking=True)
                 owners = np.where(read_on[live], np.repeat(numbers, per_request), -1)
-                self._unqueued = _Step(slot, n_tokens, layout.read_rows[live].tolist(), owners)
+                self._unqueued = _Step(slot, n_tokens, [op for op, on in zip(layout.read_ops, live) if on], owners)
 
     def _make_layout(self) -> _Layout:
         ops = [op for op in self.ops if not op.retired]  # a retired op's row stays -1: selected by nobody
@@ -499,7 +499,7 @@ class ControlPlane:
         self._layout = _Layout(slice(indices[0], indices[-1] + 1) if consecutive
                                else torch.tensor(indices, dtype=torch.long),
                                np.array([self._bit[op.app] for op in ops], dtype=np.uint64).reshape(-1, 1),
-                               np.array(reads, dtype=np.int64), np.array([ops[i].index for i in reads], dtype=np.int64),
+                               np.array(reads, dtype=np.int64), [ops[i] for i in reads],
                                [op for op in ops if op.tables])
         return self._layout
 
@@ -558,8 +558,8 @@ class ControlPlane:
             return
         n, base = step.n_tokens, step.slot * self.max_tokens
         positions = self.ring_positions[step.slot, :n]
-        for index, owner in zip(step.read_rows, step.owners):
-            self.slots[index].log.append(self.slots[index].ring[base: base + n], positions, owner)
+        for op, owner in zip(step.read_ops, step.owners):
+            op.log.append(op.ring[base: base + n], positions, owner)
         if self._pin:
             self._copied_home.record()
 

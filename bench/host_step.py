@@ -1,0 +1,78 @@
+"""The control plane's host time per step, alone: `ControlPlane.prepare_step` with the seven bench
+apps (bench/serving.py) active on every request, decode steps (one token a request), no forward.
+
+    python -m bench.host_step --model DIR --out results.json      # DIR: an HF folder (its shapes)
+
+A plane on the CPU (`--device cuda` for one on the GPU: pinned staging, its copies and events),
+requests that finish every --request-steps steps (their reads taken, as a server does) and new
+ones that take their places. What bench/serving.py's `host_ms_per_step` measures inside an engine,
+without the engine: the difference is time the host waits there.
+"""
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+from bench import write_result
+from bench.serving import seven_apps
+from xmix_lens import HookedServedModel
+from xmix_lens.backend.vllm.control import ControlPlane
+
+
+def measure(model, device: torch.device, requests: int, steps: int, request_steps: int) -> float:
+    """Mean host ms per prepared step, after a warm-up."""
+    apps, _ = seven_apps(model.cfg)
+    runtime = model.engine.runtime
+    plane = ControlPlane(device, max(requests, 256), max_requests=requests)
+    for app in apps:
+        plane.install(app.name, runtime._place_all(model._lower_app(app.name, app.fwd_hooks).ops, resident=True))
+    names = [app.name for app in apps]
+    query_start = np.arange(requests + 1)
+    positions = torch.arange(requests, device=device)
+    seconds, batch = [], 0
+    for step in range(steps):
+        if step % request_steps == 0:  # a new batch of requests; the last one's reads are taken
+            plane.drain()
+            for r in range(requests):
+                old = f"{batch - 1}-{r}"
+                plane.take_results(old)
+                plane.forget(old)
+                plane.select(f"{batch}-{r}", names)
+            ids, batch = [f"{batch}-{r}" for r in range(requests)], batch + 1
+        started = time.perf_counter()
+        plane.prepare_step(ids, query_start, requests, positions)
+        seconds.append(time.perf_counter() - started)
+    return 1e3 * statistics.fmean(seconds[len(seconds) // 5:])
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--requests", default="32,256,512")
+    parser.add_argument("--steps", type=int, default=500)
+    parser.add_argument("--request-steps", type=int, default=128, help="steps a batch of requests lives")
+    parser.add_argument("--out")
+    args = parser.parse_args(argv)
+    model = HookedServedModel.from_pretrained(args.model, enforce_eager=True, max_model_len=128)
+    try:
+        result = {"command": "python -m bench.host_step " + " ".join(argv if argv is not None else sys.argv[1:]),
+                  "machine": {"platform": platform.platform(), "processor": platform.processor()},
+                  "versions": {"torch": torch.__version__, "numpy": np.__version__},
+                  "host_ms_per_step": {n: measure(model, torch.device(args.device), int(n), args.steps,
+                                                  args.request_steps)
+                                       for n in args.requests.split(",")}}
+    finally:
+        model.shutdown()
+    print(json.dumps(result["host_ms_per_step"]))
+    write_result(result, args.out)
+    return result
+
+
+if __name__ == "__main__":
+    main()

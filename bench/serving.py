@@ -15,8 +15,10 @@ Each repeat draws fresh random prompt ids, the same for every mode, and runs the
 (A B C ... A B C ...), after one warm-up run of each. Per run: mean and P99 inter-token latency,
 mean time to first token, total token throughput (prompt + output tokens / wall time), and on the
 xmix-lens engines the control plane's host time per step (`host_ms_per_step`, ControlPlane.prepare_step).
-With --profile, a decode step of each workload (the seven apps active) is profiled: every CUDA
-kernel's time and launches, xmix-lens's own and the step's total.
+With --profile, a decode step of each workload is profiled on native vLLM and with the seven apps
+active: every CUDA kernel's time and launches, xmix-lens's own and the step's total, and on the
+host the step's wall time and the CUDA runtime calls (those inside prepare_step apart); and each
+installed op's kernel at each workload's decode batch against its floor (bench/kernels.py).
 """
 import argparse
 import os
@@ -29,6 +31,7 @@ from types import SimpleNamespace
 import torch
 
 from bench import write_result
+from bench.kernels import resident_kernel_times
 from xmix_lens import App
 from xmix_lens.model import IN_PROCESS_ENVIRONMENT
 
@@ -244,10 +247,12 @@ PROFILED_PROMPT_LEN, PROFILED_STEPS = 16, 4
 XMIX_KERNELS = ("program_kernel", "affine_write_kernel", "project_read_kernel", "gather_rows")
 
 
-def decode_step_kernels(llm, prompts) -> dict:
-    """The CUDA kernels of a profiled, graph-replayed decode step (the seven apps active): per
-    kernel name, launches and device time; the step's total and xmix-lens's share."""
-    from torch.profiler import ProfilerActivity, profile
+def decode_step_profile(llm, prompts, control=None) -> dict:
+    """A profiled, graph-replayed decode step: per CUDA kernel name, launches and device time (the
+    step's total and xmix-lens's share); on the host, the step's wall time and the CUDA runtime
+    calls by name (a long cudaMemcpyAsync or a synchronize is the host waiting for the GPU), also
+    those made inside the control plane's `prepare_step` (`control`: the engine's)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -257,23 +262,52 @@ def decode_step_kernels(llm, prompts) -> dict:
         engine.add_request(f"profile-{i}", TokensPrompt(prompt_token_ids=p[:PROFILED_PROMPT_LEN]), params)
     for _ in range(3):  # the prefill, and the first decode steps
         engine.step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(PROFILED_STEPS):  # decode steps: FULL graph replays
-            engine.step()
+    gpu = torch.cuda.is_available()
+    if gpu:
         torch.cuda.synchronize()
+    prepare = control.prepare_step if control is not None else None
+    if control is not None:  # labelled for the profile only (the instance attribute is removed after)
+        def labelled(*args, **kwargs):
+            with record_function("xmix.prepare_step"):
+                return prepare(*args, **kwargs)
+        control.prepare_step = labelled
+    try:
+        with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * gpu) as prof:
+            started = time.perf_counter()
+            for _ in range(PROFILED_STEPS):  # decode steps: FULL graph replays on a GPU
+                engine.step()
+            if gpu:
+                torch.cuda.synchronize()
+            wall = time.perf_counter() - started
+    finally:
+        if control is not None:
+            del control.prepare_step
     while engine.has_unfinished_requests():
         engine.step()
-    kernels = {}
-    for e in prof.events():
+    events = prof.events()
+    kernels, calls, in_prepare = {}, {}, {}
+    windows = [(e.time_range.start, e.time_range.end) for e in events if e.name == "xmix.prepare_step"]
+    for e in events:
         if e.device_type.name == "CUDA":
             k = kernels.setdefault(e.name, {"launches": 0, "us": 0.0})
             k["launches"] += 1 / PROFILED_STEPS
             k["us"] += e.device_time / PROFILED_STEPS
+        elif e.name.startswith("cuda"):  # a CUDA runtime call, on the host
+            inside = any(a <= e.time_range.start and e.time_range.end <= b for a, b in windows)
+            for table in (calls, in_prepare) if inside else (calls,):
+                c = table.setdefault(e.name, {"calls": 0, "us": 0.0, "max_us": 0.0})
+                c["calls"] += 1 / PROFILED_STEPS
+                c["us"] += e.time_range.elapsed_us() / PROFILED_STEPS
+                c["max_us"] = max(c["max_us"], e.time_range.elapsed_us())
     total = sum(k["us"] for k in kernels.values())
     ours = sum(k["us"] for name, k in kernels.items() if name.startswith(XMIX_KERNELS))
+    host = {"step_wall_us": 1e6 * wall / PROFILED_STEPS, "runtime_calls": calls}
+    if windows:
+        host["prepare_step_us"] = sum(b - a for a, b in windows) / PROFILED_STEPS
+        host["runtime_calls_in_prepare_step"] = in_prepare
     return {"requests": len(prompts), "prompt_len": PROFILED_PROMPT_LEN, "per_step_of": PROFILED_STEPS,
-            "step_gpu_us": total, "xmix_us": ours, "xmix_share": ours / total, "kernels": kernels}
+            "step_gpu_us": total, "xmix_us": ours, "xmix_share": ours / total if total else None, "kernels": kernels,
+            "host": host}
 
 
 def main(argv=None) -> dict:
@@ -289,7 +323,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--max-model-len", type=int, default=512)
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="every engine's TP ranks (GPUs)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.2)
-    parser.add_argument("--profile", action="store_true", help="record the kernels of a graph-replayed decode step")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile a decode step natively and with the seven apps (kernels, host calls)")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     modes = args.modes.split(",")
@@ -307,6 +342,11 @@ def main(argv=None) -> dict:
               "versions": {"torch": torch.__version__, "vllm": __import__("vllm").__version__},
               "engine_build_s": build_seconds, "apps": app_names, "workloads": {}}
     gen = torch.Generator().manual_seed(1234)
+    if args.profile and "production" in engines:  # each op's kernel at each workload's decode batch
+        result["kernel_floors"] = resident_kernel_times(
+            control_plane(engines, "seven"), getattr(torch, args.dtype),
+            [table[w][0] for w in args.workloads.split(",")])
+        write_result(result, args.out)
     for workload in args.workloads.split(","):
         n, in_len, out_len = table[workload]
 
@@ -333,9 +373,12 @@ def main(argv=None) -> dict:
                                          "runs": runs, "summary": summarise(runs),
                                          "tokens_equal_native": same_tokens}
         reset(engines, app_names)
-        if args.profile and torch.cuda.is_available() and "production" in engines:
+        if args.profile and "production" in engines:
+            batch = prompts()
+            profiled = result["workloads"][workload]
+            profiled["decode_step_native"] = decode_step_profile(engines["native"], batch)
             llm = set_mode(engines, app_names, "seven")
-            result["workloads"][workload]["decode_step_kernels"] = decode_step_kernels(llm, prompts())
+            profiled["decode_step_kernels"] = decode_step_profile(llm, batch, control_plane(engines, "seven"))
             reset(engines, app_names)
         write_result(result, args.out)  # after each workload: a run cut short keeps what it measured
     return result

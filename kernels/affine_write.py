@@ -21,8 +21,15 @@ The math is fp32; the result is cast to x's dtype.
 import triton
 import triton.language as tl
 
+from .program_format import NARROW_PRODUCT
+
 BLOCK_ROWS = 16  # tl.dot needs >= 16; more rows a program only slows decode steps (few rows)
 BLOCK_FEATURES = 128
+# Ranks up to this take one row per program and sum broadcast products instead of tl.dot: in
+# 16-row blocks a decode step of 32 tokens had 2 programs, each walking a 4096-wide row in 32
+# dependent steps twice; one row a program walks it in two tiles, with 16x the programs.
+NARROW_RANK = 16
+MAX_ROW_TILE = 2048  # features a row program holds at once (registers)
 
 
 # K == 1 (one direction) is the common case, and Triton's default specialisation of arguments
@@ -79,6 +86,44 @@ def affine_write_kernel(
         tl.store(x_ptr + x_offsets, y.to(x_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit(do_not_specialize=["K"])
+def affine_write_row_kernel(
+    x_ptr, x_row_stride, rows_ptr, F, K,
+    scale_ptr, scale_idx_ptr, bias_ptr, bias_idx_ptr, u_ptr, v_ptr,
+    BLOCK_FEATURES: tl.constexpr, BLOCK_RANK: tl.constexpr,
+):
+    # Program i owns rows[i] whole (a narrow low-rank term): it reads every feature of the row for
+    # x[r] @ U before it writes one, and nobody else touches the row.
+    entry = tl.program_id(0)
+    row = tl.load(rows_ptr + entry).to(tl.int64)
+    live = row >= 0  # a row of -1 is a token this launch leaves alone: it reads nothing
+    F_live = tl.where(live, F, 0)
+    scale_row = tl.load(scale_idx_ptr + entry).to(tl.int64)  # every entry has both (the grid is R programs)
+    bias_row = tl.load(bias_idx_ptr + entry).to(tl.int64)
+    features = tl.arange(0, BLOCK_FEATURES)
+    ranks = tl.arange(0, BLOCK_RANK)
+    rank_mask = ranks < K
+
+    projection = tl.zeros((BLOCK_RANK,), dtype=tl.float32)
+    for f0 in range(0, F_live, BLOCK_FEATURES):
+        cols = f0 + features
+        x_row = tl.load(x_ptr + row * x_row_stride + cols, mask=cols < F, other=0.0).to(tl.float32)
+        u_block = tl.load(u_ptr + cols[:, None] * K + ranks[None, :],
+                          mask=(cols < F)[:, None] & rank_mask[None, :], other=0.0)
+        projection += tl.sum(x_row[:, None] * u_block, axis=0)
+
+    for f0 in range(0, F_live, BLOCK_FEATURES):
+        cols = f0 + features
+        mask = cols < F
+        x_row = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        scale = tl.load(scale_ptr + scale_row * F + cols, mask=mask, other=0.0)
+        bias = tl.load(bias_ptr + bias_row * F + cols, mask=mask, other=0.0)
+        v_block = tl.load(v_ptr + ranks[:, None] * F + cols[None, :], mask=rank_mask[:, None] & mask[None, :],
+                          other=0.0)
+        y = x_row * scale + bias + tl.sum(projection[:, None] * v_block, axis=0)
+        tl.store(x_ptr + row * x_row_stride + cols, y.to(x_ptr.dtype.element_ty), mask=mask)
+
+
 def affine_write(x, rows, scale, scale_idx, bias, bias_idx, U, V) -> None:
     """x[rows[i]] = x[rows[i]] * scale[scale_idx[i]] + bias[bias_idx[i]] + (x[rows[i]] @ U) @ V.
 
@@ -92,6 +137,14 @@ def affine_write(x, rows, scale, scale_idx, bias, bias_idx, U, V) -> None:
     assert scale_idx.numel() == R and bias_idx.numel() == R
     assert scale.is_contiguous() and bias.is_contiguous() and U.is_contiguous() and V.is_contiguous()
     if R == 0:
+        return
+    if 0 < K <= NARROW_RANK:
+        rank = triton.next_power_of_2(K)
+        tile = min(triton.next_power_of_2(F), MAX_ROW_TILE, NARROW_PRODUCT // rank)
+        affine_write_row_kernel[(R,)](
+            x, x.stride(0), rows, F, K, scale, scale_idx, bias, bias_idx, U, V,
+            BLOCK_FEATURES=tile, BLOCK_RANK=rank,
+        )
         return
     has_low_rank = K > 0
     # Without the low-rank term every element is read and written by one program only, so the

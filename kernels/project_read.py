@@ -18,9 +18,15 @@ The math is fp32; the result is cast to out's dtype.
 import triton
 import triton.language as tl
 
+from .affine_write import MAX_ROW_TILE, NARROW_RANK as NARROW_OUTPUTS
+from .program_format import NARROW_PRODUCT
+
 BLOCK_ROWS = 16  # tl.dot needs >= 16; more rows a program only slows decode steps (few rows)
 BLOCK_FEATURES = 128
 MAX_BLOCK_OUTPUTS = 64
+# Up to NARROW_OUTPUTS outputs (probe scores), one row per program, broadcast products summed per
+# tile instead of tl.dot over 16-row blocks: a decode step's few programs walked the row in 32
+# dependent steps each (affine_write.py says the same of its low-rank term).
 
 
 # K == 1 (one probe) is common, and Triton's default specialisation of arguments equal to 1 made
@@ -58,6 +64,33 @@ def project_read_kernel(
              accumulator.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
+@triton.jit(do_not_specialize=["K"])
+def project_read_row_kernel(
+    x_ptr, x_row_stride, rows_ptr, w_ptr, b_ptr, out_ptr, out_row_stride, dest_ptr, F, K,
+    BLOCK_FEATURES: tl.constexpr, BLOCK_OUTPUTS: tl.constexpr,
+):
+    # Program i computes out[dest[i]] for rows[i]: a dot product per output, in tiles of features.
+    entry = tl.program_id(0)
+    row = tl.load(rows_ptr + entry).to(tl.int64)
+    live = row >= 0  # a row of -1 is a token this launch leaves alone: it reads nothing
+    F_live = tl.where(live, F, 0)
+    features = tl.arange(0, BLOCK_FEATURES)
+    outputs = tl.arange(0, BLOCK_OUTPUTS)
+
+    accumulator = tl.zeros((BLOCK_OUTPUTS,), dtype=tl.float32)
+    for f0 in range(0, F_live, BLOCK_FEATURES):
+        cols = f0 + features
+        x_row = tl.load(x_ptr + row * x_row_stride + cols, mask=cols < F, other=0.0).to(tl.float32)
+        w_block = tl.load(w_ptr + cols[:, None] * K + outputs[None, :],
+                          mask=(cols < F)[:, None] & (outputs < K)[None, :], other=0.0)
+        accumulator += tl.sum(x_row[:, None] * w_block, axis=0)
+    accumulator += tl.load(b_ptr + outputs, mask=outputs < K, other=0.0)
+
+    slot = tl.load(dest_ptr + entry).to(tl.int64)  # every entry has one (the grid is R programs)
+    tl.store(out_ptr + slot * out_row_stride + outputs, accumulator.to(out_ptr.dtype.element_ty),
+             mask=outputs < tl.where(live, K, 0))
+
+
 def project_read(x, rows, W, b, out, dest) -> None:
     """out[dest[i]] = x[rows[i]] @ W + b, computed in fp32, converted to out's dtype."""
     R, (F, K) = rows.numel(), W.shape
@@ -65,6 +98,14 @@ def project_read(x, rows, W, b, out, dest) -> None:
     assert x.stride(1) == 1 and out.stride(1) == 1, "rows of x and out must be contiguous"
     assert W.is_contiguous() and b.is_contiguous()
     if R == 0 or K == 0:
+        return
+    if K <= NARROW_OUTPUTS:
+        outputs = triton.next_power_of_2(K)
+        tile = min(triton.next_power_of_2(F), MAX_ROW_TILE, NARROW_PRODUCT // outputs)
+        project_read_row_kernel[(R,)](
+            x, x.stride(0), rows, W, b, out, out.stride(0), dest, F, K,
+            BLOCK_FEATURES=tile, BLOCK_OUTPUTS=outputs,
+        )
         return
     block_outputs = min(MAX_BLOCK_OUTPUTS, max(16, triton.next_power_of_2(K)))
     grid = (triton.cdiv(R, BLOCK_ROWS), triton.cdiv(K, block_outputs))

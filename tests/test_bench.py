@@ -38,7 +38,7 @@ def engines_shut_down(monkeypatch):
 def test_harness_runs_every_mode_and_the_modes_do_what_they_claim(tmp_path):
     out = tmp_path / "toy.json"
     serving.main(["--model", str(tiny_llama()), "--toy", "--eager-engines", "--repeats", "2",
-                  "--max-model-len", "128", "--dtype", "float32", "--out", str(out)])
+                  "--max-model-len", "128", "--dtype", "float32", "--profile", "--out", str(out)])
     result = json.loads(out.read_text())
     decode = result["workloads"]["decode"]
     assert set(decode["summary"]) == set(serving.MODES)
@@ -57,6 +57,16 @@ def test_harness_runs_every_mode_and_the_modes_do_what_they_claim(tmp_path):
         assert decode["summary"][mode]["host_ms_per_step"]["median"] > 0
     assert all(r["steps"] == 0 for r in decode["runs"]["armed_idle"])  # no resident op: nothing to prepare
     assert "host_ms_per_step" not in decode["summary"]["native"]
+    # the profiled decode steps: the control plane's time is inside the step's, and only with apps
+    native, seven = decode["decode_step_native"]["host"], decode["decode_step_kernels"]["host"]
+    assert "prepare_step_us" not in native and native["step_wall_us"] > 0
+    assert 0 < seven["prepare_step_us"] < seven["step_wall_us"]
+    # every op of the seven apps timed at the decode batch, against the bytes it must move
+    floors = result["kernel_floors"]["ops"]
+    assert sorted({row["app"] for row in floors}) == sorted(result["apps"])
+    for row in floors:
+        assert row["tokens"] == decode["requests"] and row["us"] > 0
+        assert row["bytes"] >= row["tokens"] * row["features"] * 4  # x's rows at least, fp32 here
     assert result["command"].startswith("python -m bench.serving")
 
 

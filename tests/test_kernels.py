@@ -67,7 +67,8 @@ def test_project_read_twin_matches_a_loop(gen):
 # T, R and F are not multiples of the kernels' blocks (16 or 32 rows, 128 features).
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("F, K", [(129, 3), (576, 0), (1000, 1)])
+# K of 1 to 16 takes the one-row-a-program kernel, K = 20 the row blocks with tl.dot
+@pytest.mark.parametrize("F, K", [(129, 3), (576, 0), (1000, 1), (300, 16), (200, 20)])
 def test_affine_write(dtype, F, K, gen):
     T, R = 150, 77
     x = randn(T, F, gen=gen, dtype=dtype)
@@ -121,7 +122,8 @@ def test_gather_rows(x_dtype, out_dtype, F, gen):
 
 
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("F, K", [(129, 1), (576, 3), (1000, 100)])
+# K of 1 to 16 takes the one-row-a-program kernel, more the row blocks with tl.dot
+@pytest.mark.parametrize("F, K", [(129, 1), (576, 3), (300, 16), (200, 17), (1000, 100)])
 def test_project_read(x_dtype, F, K, gen):
     T, R, capacity = 150, 77, 100
     x = randn(T, F, gen=gen, dtype=x_dtype)

@@ -223,11 +223,17 @@ class ControlPlane:
         self.executor = Executor(self.device, self.max_tokens)
         self.control = torch.full((MAX_RESIDENT_OPS, 3, self.max_tokens), -1, dtype=torch.int32, device=self.device)
         self.control[:, TABLE] = 0
-        # staged on the host, copied in one piece; two of them, so that a copy still in flight is
-        # never overwritten by the next step's preparation
-        # (device="cpu" explicitly: vLLM builds the model under a default-device context)
-        self._staging = [torch.full((MAX_RESIDENT_OPS, 3, self.max_tokens), -1, dtype=torch.int32, device="cpu",
-                                    pin_memory=pin) for _ in range(RING_DEPTH)]
+        # A step's rows are staged on the host as one contiguous [ops, 3, width] block at the front of
+        # a flat pinned buffer, copied to a device buffer as they are, then into `control` there: a
+        # copy from a strided pinned view would go through pageable memory, and such a copy waits
+        # for the GPU to finish everything queued before it (the step in flight). Two staging
+        # buffers, so that a copy still in flight is never overwritten by the next step's preparation
+        # (device="cpu" explicitly: vLLM builds the model under a default-device context).
+        self._staging = [torch.empty(MAX_RESIDENT_OPS * 3 * self.max_tokens, dtype=torch.int32, device="cpu",
+                                     pin_memory=pin) for _ in range(RING_DEPTH)]
+        self._landing = torch.empty(MAX_RESIDENT_OPS * 3 * self.max_tokens, dtype=torch.int32, device=self.device)
+        # a read's slot in its ring per token: ring slot * max_tokens + t
+        self._ring_slots = torch.arange(RING_DEPTH * self.max_tokens, dtype=torch.int32).view(RING_DEPTH, -1)
         # made once and recorded again each step (no object per step)
         self._staged_events = [torch.cuda.Event() for _ in range(RING_DEPTH)] if pin else None
         self._copied_home = torch.cuda.Event() if pin else None  # after the last queued copy into the read logs
@@ -279,8 +285,6 @@ class ControlPlane:
                     width = int(np.prod(op.feature_shape, dtype=np.int64))
                     entry.ring = torch.zeros(RING_DEPTH * self.max_tokens, width, device=self.device)
                     entry.log = ReadLog(width, self._pin, self._alive_numbers) if self.delivers else None
-                    for s, staging in enumerate(self._staging):  # token t's slot in the ring: the same every step
-                        staging[entry.index, DEST] = torch.arange(self.max_tokens, dtype=torch.int32) + s * self.max_tokens
                 self.slots += [None] * (entry.index + 1 - len(self.slots))
                 self.slots[entry.index] = entry
                 self.by_site.setdefault(site, []).append(entry)
@@ -459,27 +463,30 @@ class ControlPlane:
             return  # the device rows are all -1 already (up to max_tokens): nothing to write
         slot = self.step_count % RING_DEPTH
         self.step_count += 1
-        staging = self._staging[slot]
         if self._pin:
             self._staged_events[slot].synchronize()  # its copy from two steps ago is long done
         # a step with no app resets every row (idle steps after it skip the copy); others the step's
         width = max(n_padded or n_tokens, n_tokens) if request_bits.any() else self.max_tokens
         rows_used = len(self.slots)
-        staging[:rows_used, ROWS, :width] = -1  # DEST rows are constant (install), TABLE rows below
+        size = rows_used * 3 * width
+        staging = self._staging[slot][:size].view(rows_used, 3, width)
+        staging[:, ROWS] = -1
+        staging[:, DEST] = self._ring_slots[slot, :width]
+        staging[:, TABLE] = 0
         per_request = np.diff(query_start)
         token_bits = np.repeat(request_bits, per_request)
         tokens = np.arange(n_tokens, dtype=np.int32)
         on = (token_bits[None, :] >> layout.shifts) & 1 == 1  # [ops, tokens]: whether the op runs on the token
         staging[layout.rows, ROWS, :n_tokens] = torch.from_numpy(np.where(on, tokens, -1))
-        for op in layout.table_ops:
-            staging[op.index, TABLE, :width] = 0
-            if self._slot:
-                own = np.fromiter((slot if op.app in apps else 0
-                                   for slot, apps in (self._slot.get(r, (0, ())) for r in req_ids)),
-                                  dtype=np.int32, count=len(req_ids))
-                staging[op.index, TABLE, :n_tokens] = torch.from_numpy(np.repeat(own, per_request))
+        for op in layout.table_ops if self._slot else ():
+            own = np.fromiter((slot if op.app in apps else 0
+                               for slot, apps in (self._slot.get(r, (0, ())) for r in req_ids)),
+                              dtype=np.int32, count=len(req_ids))
+            staging[op.index, TABLE, :n_tokens] = torch.from_numpy(np.repeat(own, per_request))
         # launches read rows [:T], T (x's tokens, padding included) <= width: the rest may be stale
-        self.control[:rows_used, :, :width].copy_(staging[:rows_used, :, :width], non_blocking=self._pin)
+        landing = self._landing[:size]
+        landing.copy_(self._staging[slot][:size], non_blocking=self._pin)
+        self.control[:rows_used, :, :width].copy_(landing.view(rows_used, 3, width))
         self._idle = not request_bits.any()
         if self._pin:
             self._staged_events[slot].record()

@@ -394,3 +394,26 @@ def test_uninstalling_a_reading_app_before_its_last_step_goes_home_is_safe(serve
     assert first.ops[0].log.take(plane._number["r0"])[0].tolist() == [0, 1, 2]
     assert all(c.used == 0 for c in second.ops[0].log.chunks) and not np.any(
         [c.owner[:c.used] >= 0 for c in second.ops[0].log.chunks])
+
+
+def test_a_control_plane_made_under_a_default_device_keeps_its_staging_on_the_host(served):
+    """vLLM builds the model, and so the control plane, under a default-device context (the GPU
+    there): a host buffer made without an explicit device would land on the device, and filling the
+    staging rows from it would copy device to host every step, waiting for the step in flight.
+    Made here under the meta device (where any such buffer fails loudly), the plane prepares steps
+    and its control rows say what the step runs."""
+    from xmix_lens.backend.vllm.control import DEST, ROWS, ControlPlane
+
+    model = served[MODEL]
+    runtime = model.engine.runtime
+    with torch.device("meta"):
+        plane = ControlPlane(torch.device("cpu"), 64)
+    w = vector(model.cfg.d_model, 6)
+    kept = {}
+    lowered = model._lower_app("probe", [("blocks.1.hook_resid_post", lambda act, hook: kept.update(s=act @ w))])
+    op = plane.install("probe", runtime._place_all(lowered.ops, resident=True)).ops[0]
+    plane.select("r0", ["probe"])
+    for step in range(3):  # both staging buffers, and the first again
+        plane.prepare_step(["r1", "r0"], [0, 2, 5], 5, torch.arange(5))
+        assert plane.control[op.index, ROWS, :5].tolist() == [-1, -1, 2, 3, 4]  # r0's tokens only
+        assert plane.control[op.index, DEST, :5].tolist() == [step % 2 * 64 + t for t in range(5)]

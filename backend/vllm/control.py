@@ -232,8 +232,10 @@ class ControlPlane:
         self._staging = [torch.empty(MAX_RESIDENT_OPS * 3 * self.max_tokens, dtype=torch.int32, device="cpu",
                                      pin_memory=pin) for _ in range(RING_DEPTH)]
         self._landing = torch.empty(MAX_RESIDENT_OPS * 3 * self.max_tokens, dtype=torch.int32, device=self.device)
-        # a read's slot in its ring per token: ring slot * max_tokens + t
-        self._ring_slots = torch.arange(RING_DEPTH * self.max_tokens, dtype=torch.int32).view(RING_DEPTH, -1)
+        # a read's slot in its ring per token: ring slot * max_tokens + t (on the host: copying it
+        # into the staging rows from the device would wait for the step in flight)
+        self._ring_slots = torch.arange(RING_DEPTH * self.max_tokens, dtype=torch.int32, device="cpu").view(
+            RING_DEPTH, -1)
         # made once and recorded again each step (no object per step)
         self._staged_events = [torch.cuda.Event() for _ in range(RING_DEPTH)] if pin else None
         self._copied_home = torch.cuda.Event() if pin else None  # after the last queued copy into the read logs
@@ -504,7 +506,7 @@ class ControlPlane:
         indices = [op.index for op in ops]
         consecutive = indices == list(range(indices[0], indices[0] + len(indices))) if indices else False
         self._layout = _Layout(slice(indices[0], indices[-1] + 1) if consecutive
-                               else torch.tensor(indices, dtype=torch.long),
+                               else torch.tensor(indices, dtype=torch.long, device="cpu"),
                                np.array([self._bit[op.app] for op in ops], dtype=np.uint64).reshape(-1, 1),
                                np.array(reads, dtype=np.int64), [ops[i] for i in reads],
                                [op for op in ops if op.tables])

@@ -157,15 +157,12 @@ def plan(structure: tuple) -> Plan:
     held = [w for i, w in enumerate(widths) if ops[i][0] != "x" or x_held(i, output, ops)]
     widest = max(triton.next_power_of_2(w) for w in held or [1])
     block_rows = max(1, min(MAX_BLOCK_ROWS, LANES_PER_PROGRAM // widest))
-    num_warps = min(16, max(4, block_rows * widest // 1024))
-    if any(name == "matmul" and dot_tile(widths[i], block_rows) for i, (name, _, _) in enumerate(ops)):
-        num_warps = max(num_warps, DOT_WARPS)  # its W tiles' registers
     return Plan(
         F=F, output=output, ops=ops, widths=tuple(widths), numbers=tuple(numbers),
         consts=tuple(sorted(consts.items())), scratch=tuple(scratch), scratch_width=scratch_width,
         # 16 warps for 16K lanes: 32 fp32 registers a thread per value (ptxas for sm_90 reports no
         # spills for F = 4096 steering or a 576 -> 4096 -> 576 top-k SAE)
-        block_rows=block_rows, num_warps=num_warps,
+        block_rows=block_rows, num_warps=min(16, max(4, block_rows * widest // 1024)),
     )
 
 
@@ -177,19 +174,12 @@ def x_held(x: int, output: int, ops: tuple) -> bool:
     return output == x or any(name != "matmul" or j != 0 for name, j in readers)
 
 
-# elements of W a tl.dot tile holds (64 fp32 registers a thread at DOT_WARPS warps): a tile of 256
-# features, not 64, for an SAE encoder's 64 outputs: its two programs of a decode step walked a
-# 4096-wide row in 64 dependent steps (54 us of an H200 decode step), now 16
-DOT_TILE_ELEMENTS = 16384
-DOT_WARPS = 8
-
-
 def dot_tile(n: int, block_rows: int) -> int:
     """The input features a matmul takes per tl.dot (0: no tl.dot, narrow tiles instead: narrow_tile).
     tl.dot needs 16 rows and 16 outputs at least; wider outputs take fewer features a tile so
     that the tile of W stays within registers."""
     lanes = triton.next_power_of_2(n)
-    return 0 if block_rows < 16 or lanes < 16 else max(16, min(256, DOT_TILE_ELEMENTS // lanes))
+    return 0 if block_rows < 16 or lanes < 16 else max(16, min(64, 8192 // lanes))
 
 
 # elements of the [rows, tile, outputs] product a narrow matmul sums per tile (in registers)

@@ -433,11 +433,3 @@ def test_a_narrow_matmul_of_a_wide_row_takes_tiles_not_a_loop_per_feature(gen):
     assert kernel.plan.block_rows == 4 and program_format.narrow_tile(4096, 1, 4) == 2048
     assert "for f0 in range(0, 4096, 2048):" in source and "tl.sum(in_tile[:, :, None] * w_tile[None, :, :]" in source
     assert "for j in range(4096)" not in source
-
-
-def test_an_sae_encoder_read_takes_wide_dot_tiles(gen):
-    """The bench's SAE read, relu(x @ W_enc + b) with 64 features of a 4096-wide row: tl.dot tiles
-    of 256 input features (16 steps over the row, not 64) and the warps that hold them."""
-    kernel, _ = program_kernel.generate_kernel(sae_feature_read(4096, gen, k=64), 4096)
-    assert kernel.plan.block_rows == 16 and kernel.plan.num_warps == program_format.DOT_WARPS
-    assert "for f0 in range(0, 4096, 256):" in kernel.path.read_text()

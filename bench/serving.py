@@ -288,7 +288,7 @@ def decode_step_profile(llm, prompts, control=None) -> dict:
     kernels, calls, in_prepare = {}, {}, {}
     windows = [(e.time_range.start, e.time_range.end) for e in events if e.name == "xmix.prepare_step"]
     for e in events:
-        if e.device_type.name == "CUDA":
+        if e.device_type.name == "CUDA" and e.name != "xmix.prepare_step":  # the label's GPU range: no kernel
             k = kernels.setdefault(e.name, {"launches": 0, "us": 0.0})
             k["launches"] += 1 / PROFILED_STEPS
             k["us"] += e.device_time / PROFILED_STEPS

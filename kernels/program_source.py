@@ -186,8 +186,11 @@ class Source:
         n_mask = self.mask(n)
         w_mask = f"(f[:, None] < {width_in})" + (f" & {n_mask}" if n_mask else "")
         if tile:
-            how = f"tl.dot over tiles of {tile} input features (ieee: fp32 sums, as the twin's matmul)"
-            accumulate = f"    {v} += tl.dot(in_tile, w_tile, input_precision=\"ieee\")"
+            # tf32x3: three TF32 tensor-core products per tile, close to fp32 as the twin's matmul;
+            # ieee fp32 ran on the FMA units, and an SAE read's few programs were compute bound
+            # (54 us of an H200 decode step for 64 features of a 4096-wide row)
+            how = f"tl.dot over tiles of {tile} input features (tf32x3: near-fp32 sums on tensor cores)"
+            accumulate = f"    {v} += tl.dot(in_tile, w_tile, input_precision=\"tf32x3\")"
         else:  # too few rows or outputs for tl.dot: a broadcast product summed over each tile
             tile = narrow_tile(width_in, n, self.plan.block_rows)
             how = f"tiles of {tile} input features, each a broadcast product summed over the tile"

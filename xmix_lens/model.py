@@ -648,16 +648,26 @@ class HookedServedModel:
             if computed:
                 outcomes = self._fire_computed(computed, source_reads, plans, outcomes, offsets,
                                                [len(r) for r in rows], tokens.shape[1])
-            logits = None
-            if return_type is not None or _UNEMBED_OUT in computed:
-                logits = torch.empty(tokens.shape + (self.cfg.d_vocab,))
+            logits = nll = None
+            hooked_logits = _UNEMBED_OUT in computed  # hooks change the logits, on the host, before any loss
+            want_logits = return_type in ("logits", "both") or hooked_logits
+            want_nll = return_type in ("loss", "both") and not hooked_logits
+            if want_logits or want_nll:
+                logits = torch.empty(tokens.shape + (self.cfg.d_vocab,)) if want_logits else None
+                nll = torch.empty(tokens.shape[0], tokens.shape[1] - 1) if want_nll else None
                 for g, outcome in zip(groups, outcomes):
-                    logits[g.rows] = self.engine.logits(outcome.results.result(_LOGITS_KEY))
-            if _UNEMBED_OUT in computed:  # the logits are the call's result: changed here, on the host
+                    g_logits, g_nll = self.engine.unembed(outcome.results.result(_LOGITS_KEY),
+                                                          tokens[g.rows, 1:] if want_nll else None, want_logits)
+                    if want_logits:
+                        logits[g.rows] = g_logits
+                    if want_nll:
+                        nll[g.rows] = g_nll
+            if hooked_logits:  # the logits are the call's result: changed here, on the host
                 logits = self._call_hooks(_UNEMBED_OUT, computed[_UNEMBED_OUT], logits)
             result = logits if return_type is not None else None
             if return_type in ("loss", "both"):
-                loss = _next_token_loss(logits, tokens, mask, loss_per_token)
+                nll = _next_token_nll(logits, tokens) if nll is None else nll
+                loss = _masked_loss(nll, mask, loss_per_token)
                 result = loss if return_type == "loss" else (logits, loss)
             if selection is None:
                 return result
@@ -1306,10 +1316,14 @@ def _writing(plans: list[PassPlan]) -> set[str]:
             for name, ops in phase.ops.items() if any(isinstance(op, (AffineWrite, GeneratedWrite)) for op in ops)}
 
 
-def _next_token_loss(logits: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor, per_token: bool):
+def _next_token_nll(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Each position's negative log-likelihood of the next token [B, P - 1] (VllmEngine.unembed
+    computes the same on the engine's device, where no hook changes the logits)."""
+    return -logits[:, :-1].log_softmax(-1).gather(-1, tokens[:, 1:, None])[..., 0]
+
+
+def _masked_loss(nll: torch.Tensor, mask: torch.Tensor, per_token: bool):
     """TransformerLens's loss: mean negative log-likelihood of each next real token."""
-    log_probs = logits[:, :-1].log_softmax(-1)
-    nll = -log_probs.gather(-1, tokens[:, 1:, None])[..., 0]
     valid = (mask[:, :-1] * mask[:, 1:]).to(nll.dtype)
     if per_token:
         return nll * valid

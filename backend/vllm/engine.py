@@ -57,8 +57,9 @@ class ServedResult:
 class VllmEngine:
     def __init__(self, llm, runtime, unembed: tuple[torch.Tensor, torch.Tensor]):
         self.llm, self.runtime = llm, runtime
-        # unembed.hook_in (the final norm's output) -> logits: vLLM's lm_head, fp32 on the host
-        self.W_U, self.b_U = unembed
+        # unembed.hook_in (the final norm's output) -> logits: vLLM's lm_head in fp32, on the device
+        # of an in-process engine (a call's logits and losses are computed there: `unembed`)
+        self.W_U, self.b_U = (t.to(runtime.device) for t in unembed)
         self.last_run_stats: dict = {}  # requests, prompt tokens and prefix-cache hits of the last run
 
     @classmethod
@@ -237,9 +238,27 @@ class VllmEngine:
             if pending:
                 engine.abort_request(list(pending))
 
-    def logits(self, normalized: torch.Tensor) -> torch.Tensor:
-        """Logits from a read of unembed.hook_in (vLLM computes them only where it samples)."""
-        return normalized @ self.W_U + self.b_U
+    UNEMBED_BLOCK = 1 << 28  # logits computed at once on the device: 1 GiB of fp32
+
+    def unembed(self, normalized: torch.Tensor, next_tokens: torch.Tensor | None = None,
+                logits: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """From a read of unembed.hook_in [B, P, d_model] (vLLM computes logits only where it
+        samples): the logits [B, P, d_vocab] on the host if `logits`, and given `next_tokens`
+        [B, P - 1] each position's negative log-likelihood of its next token [B, P - 1]. Computed
+        on the engine's device a block of rows at a time; only what is asked for comes back."""
+        B, P, _ = normalized.shape
+        rows = max(1, self.UNEMBED_BLOCK // (P * self.W_U.shape[1]))
+        all_logits = torch.empty(B, P, self.W_U.shape[1]) if logits else None
+        nll = torch.empty(B, P - 1) if next_tokens is not None else None
+        for r in range(0, B, rows):
+            block = normalized[r:r + rows].to(self.W_U.device, torch.float32) @ self.W_U + self.b_U
+            if logits:
+                all_logits[r:r + rows] = block.cpu()
+            if next_tokens is not None:
+                targets = next_tokens[r:r + rows].to(block.device)
+                log_probs = block[:, :-1].log_softmax(-1)
+                nll[r:r + rows] = -log_probs.gather(-1, targets[..., None])[..., 0].cpu()
+        return all_logits, nll
 
 
 def row_salts(plan: PassPlan) -> list[str | None]:

@@ -83,6 +83,34 @@ class StepTokens:
     row: torch.Tensor  # [T] long
     decode: torch.Tensor  # [T] bool: a generated token (decode view) rather than a prompt token
     padded_pos: torch.Tensor  # [T] long, in the token's view (0 for a decode token)
+    # (pass id, decode, site id, op's index there) -> the op's tokens this step: see OpTokens
+    ops: dict = field(default_factory=dict)
+
+
+@dataclass
+class OpTokens:
+    """A pass's op's tokens in a step: chosen on the host, and copied to the device with every
+    other op's in one non-blocking copy when the step begins (a copy of a host tensor per op and
+    site had the host wait for the GPU at each)."""
+
+    tokens: torch.Tensor  # [n] long, on the host: the step's token indices
+    rows: torch.Tensor  # [n] int32 on the device: the same, as kernels take them
+    flat_index: torch.Tensor  # [n] int32 on the device: row * padded_len + padded position (per-token tables)
+    batch_row: torch.Tensor  # [n] int32 on the device: each token's row of the pass
+    padded_pos: torch.Tensor  # [n] int32 on the device
+
+
+@dataclass
+class PendingRead:
+    """A read of a step on its way to the host (a non-blocking copy into pinned memory), put into
+    its pass's result when the next step begins or the pass closes."""
+
+    p: "Pass"
+    phase: Phase
+    op: LoweredOp
+    rows: torch.Tensor  # [n] long, on the host: each value's row of the pass
+    positions: torch.Tensor  # [n] long, on the host: its padded position
+    values: torch.Tensor  # [n, width] fp32 on the host
 
 
 class SiteRuntime:
@@ -114,6 +142,8 @@ class SiteRuntime:
         self.passes: dict[int, Pass] = {}
         self.step: StepTokens | None = None
         self._next_pass_id = 0
+        self._pending: list[PendingRead] = []
+        self._reads_home = torch.cuda.Event() if device.type == "cuda" else None  # after the last pending copy
 
     # --- what the driver calls (between steps) ---------------------------------------------------
     def install_app(self, name: str, ops_by_hook_point: dict[str, list[LoweredOp]],
@@ -220,6 +250,7 @@ class SiteRuntime:
     def finish_passes(self, pass_ids: list[int], req_ids: list[str]) -> list[PassResults]:
         """Close the passes once their requests are done (or aborted): what each read."""
         self.control.drain()
+        self._put_pending_reads()
         finished = []
         for pass_id in pass_ids:
             p = self.passes.pop(pass_id)
@@ -317,6 +348,48 @@ class SiteRuntime:
         positions = positions.to("cpu", torch.long)
         decode = positions >= prompt_len
         self.step = StepTokens(pass_id, row, decode, torch.where(decode, 0, positions + pad))
+        self._put_pending_reads()  # the last step's (its copies are done by now, or nearly)
+        self.step.ops = self._op_tokens(self.step)
+
+    def _op_tokens(self, step: StepTokens) -> dict:
+        """Every pass op's tokens in the step, on the host and (in one copy) on the device."""
+        chosen, parts = [], []
+        for p in self.passes.values():
+            for decode, phase in p.phases():
+                for site_id, ops in phase.ops.items():
+                    for i, op in enumerate(ops):
+                        positions = op.op.positions if isinstance(op, sharding.Placed) else op.positions
+                        tokens = self._selected(p, decode, phase, positions)
+                        if tokens.numel():
+                            chosen.append(((p.pass_id, decode, site_id, i), tokens))
+                            parts.append(torch.stack([tokens, step.row[tokens] * phase.padded_len + step.padded_pos[tokens],
+                                                      step.row[tokens], step.padded_pos[tokens]]).int())
+        if not parts:
+            return {}
+        packed = torch.cat(parts, dim=1)
+        if self.device.type == "cuda":
+            packed = packed.pin_memory()
+        packed = packed.to(self.device, non_blocking=True)
+        out, at = {}, 0
+        for key, tokens in chosen:
+            n = tokens.numel()
+            out[key] = OpTokens(tokens, *packed[:, at:at + n])
+            at += n
+        return out
+
+    def _put_pending_reads(self) -> None:
+        """The reads on their way home, into their passes' results."""
+        if not self._pending:
+            return
+        if self._reads_home is not None:
+            self._reads_home.synchronize()
+        for read in self._pending:
+            target = read.p.reads[read.op.key]
+            if read.op.keeps_pos:
+                target.view(read.p.batch, read.phase.padded_len, -1)[read.rows, read.positions] = read.values
+            else:
+                target.view(read.p.batch, -1)[read.rows] = read.values
+        self._pending = []
 
     def run_site(self, x: torch.Tensor, site_id: int) -> None:
         # installed apps first (in install order), then the hooks of the passes in flight
@@ -325,8 +398,10 @@ class SiteRuntime:
             return
         for p in self.passes.values():
             for decode, phase in p.phases():
-                for op in phase.ops.get(site_id, ()):
-                    self._run_op(x, site_id, p, decode, phase, op)
+                for i, op in enumerate(phase.ops.get(site_id, ())):
+                    chosen = self.step.ops.get((p.pass_id, decode, site_id, i))
+                    if chosen is not None:
+                        self._run_op(x, site_id, p, phase, op, chosen)
 
     def _selected(self, p: Pass, decode: bool, phase: Phase, positions: torch.Tensor | None) -> torch.Tensor:
         step = self.step
@@ -335,45 +410,39 @@ class SiteRuntime:
             chosen &= positions[step.padded_pos.clamp(max=phase.padded_len - 1)]
         return chosen.nonzero().flatten()
 
-    def _run_op(self, x: torch.Tensor, site_id: int, p: Pass, decode: bool, phase: Phase, op) -> None:
+    def _run_op(self, x: torch.Tensor, site_id: int, p: Pass, phase: Phase, op, chosen: OpTokens) -> None:
         placed = op if isinstance(op, sharding.Placed) else None
         op = placed.op if placed is not None else op
         # the same tokens on every rank: a collective below is called by all ranks or by none
-        tokens = self._selected(p, decode, phase, op.positions)
-        if tokens.numel() == 0:
-            return
-        # each token's row in per-token tables ([B, P, ...] flattened): patching, per-token biases
-        flat_index = (self.step.row[tokens] * phase.padded_len + self.step.padded_pos[tokens]).int().to(x.device)
-        rows = tokens.int().to(x.device)
         with sharding.on_site(placed, x, self.comm) as x:
             if isinstance(op, (AffineWrite, GeneratedWrite)):
-                self.executor.run(op, x, rows, flat_index)
+                self.executor.run(op, x, chosen.rows, chosen.flat_index)
                 # a per-row count on the device, read when the pass closes: no host sync here
-                written = x.index_select(0, rows.long())
+                written = x.index_select(0, chosen.rows)
                 bad = (~torch.isfinite(written)).any(-1).int()
-                p.nonfinite[site_id].index_add_(0, self.step.row[tokens].to(x.device), bad)
+                p.nonfinite[site_id].index_add_(0, chosen.batch_row, bad)
                 return
-            values = torch.empty(rows.numel(), _numel(op.feature_shape), dtype=torch.float32, device=x.device)
-            dest = torch.arange(rows.numel(), dtype=torch.int32, device=x.device)
-            self.executor.run(op, x, rows, flat_index, values, dest)
+            n = chosen.tokens.numel()
+            values = torch.empty(n, _numel(op.feature_shape), dtype=torch.float32, device=x.device)
+            dest = torch.arange(n, dtype=torch.int32, device=x.device)
+            self.executor.run(op, x, chosen.rows, chosen.flat_index, values, dest)
             if placed is not None and placed.kind == "reduce":
                 values = self.comm.all_reduce(values)
-            self._deliver(p, phase, op, tokens, values)
+            self._deliver(p, phase, op, chosen, values)
 
-    def _deliver(self, p: Pass, phase: Phase, op, tokens: torch.Tensor, values: torch.Tensor) -> None:
-        rows = self.step.row[tokens]
+    def _deliver(self, p: Pass, phase: Phase, op, chosen: OpTokens, values: torch.Tensor) -> None:
         if op.store is not None:  # stays on the device, for later hook points
-            device = op.store.buffer.device
-            _put(op.store, rows.to(device), self.step.padded_pos[tokens].to(device), values)
+            _put(op.store, chosen.batch_row.long(), chosen.padded_pos.long(), values)
             return
         if self.tp_rank != 0:  # every rank holds the value; rank 0 alone sends it home
             return
-        values = values.cpu()  # the messenger: a read goes to the host
-        target = p.reads[op.key]
-        if op.keeps_pos:
-            target.view(p.batch, phase.padded_len, -1)[rows, self.step.padded_pos[tokens]] = values
-        else:
-            target.view(p.batch, -1)[rows] = values
+        # the messenger: a read goes to the host, without waiting (put into the pass's result later)
+        home = torch.empty(values.shape, dtype=values.dtype, device="cpu", pin_memory=self._reads_home is not None)
+        home.copy_(values, non_blocking=True)
+        if self._reads_home is not None:
+            self._reads_home.record()
+        tokens = chosen.tokens
+        self._pending.append(PendingRead(p, phase, op, self.step.row[tokens], self.step.padded_pos[tokens], home))
 
 
 def _put(spec, rows: torch.Tensor, positions: torch.Tensor, values: torch.Tensor) -> None:

@@ -188,14 +188,16 @@ class ReadLog:
             if len(rows):
                 chunk.owner[rows] = -1
                 positions.append(chunk.positions.numpy()[rows])
-                values.append(chunk.values[torch.from_numpy(rows)])
+                # index_select, not advanced indexing: for 64 rows here 7 us either way, against 13 us
+                # on an idle 2-core host and 5 ms on a busy one (torch's intra-op threads)
+                values.append(chunk.values.index_select(0, torch.from_numpy(rows)))
         if not positions:
             return None
         positions = np.concatenate(positions)
         order = np.argsort(positions, kind="stable")
         ordered = positions[order]
         latest = order[np.append(ordered[1:] != ordered[:-1], True)]  # the last row of each position
-        return torch.from_numpy(positions[latest]), torch.cat(values)[torch.from_numpy(latest)]
+        return torch.from_numpy(positions[latest]), torch.cat(values).index_select(0, torch.from_numpy(latest))
 
     def clear(self) -> None:
         for chunk in self.chunks:

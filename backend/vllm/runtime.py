@@ -362,8 +362,8 @@ class SiteRuntime:
                         tokens = self._selected(p, decode, phase, positions)
                         if tokens.numel():
                             chosen.append(((p.pass_id, decode, site_id, i), tokens))
-                            parts.append(torch.stack([tokens, step.row[tokens] * phase.padded_len + step.padded_pos[tokens],
-                                                      step.row[tokens], step.padded_pos[tokens]]).int())
+                            row, pos = step.row.index_select(0, tokens), step.padded_pos.index_select(0, tokens)
+                            parts.append(torch.stack([tokens, row * phase.padded_len + pos, row, pos]).int())
         if not parts:
             return {}
         packed = torch.cat(parts, dim=1)
@@ -383,12 +383,13 @@ class SiteRuntime:
             return
         if self._reads_home is not None:
             self._reads_home.synchronize()
-        for read in self._pending:
+        for read in self._pending:  # index_copy_ and index_select: see ReadLog.take (control.py)
             target = read.p.reads[read.op.key]
             if read.op.keeps_pos:
-                target.view(read.p.batch, read.phase.padded_len, -1)[read.rows, read.positions] = read.values
+                target.view(read.p.batch * read.phase.padded_len, -1).index_copy_(
+                    0, read.rows * read.phase.padded_len + read.positions, read.values)
             else:
-                target.view(read.p.batch, -1)[read.rows] = read.values
+                target.view(read.p.batch, -1).index_copy_(0, read.rows, read.values)
         self._pending = []
 
     def run_site(self, x: torch.Tensor, site_id: int) -> None:
@@ -407,7 +408,7 @@ class SiteRuntime:
         step = self.step
         chosen = (step.pass_id == p.pass_id) & (step.decode == decode) & (step.padded_pos < phase.padded_len)
         if positions is not None:
-            chosen &= positions[step.padded_pos.clamp(max=phase.padded_len - 1)]
+            chosen &= positions.index_select(0, step.padded_pos.clamp(max=phase.padded_len - 1))
         return chosen.nonzero().flatten()
 
     def _run_op(self, x: torch.Tensor, site_id: int, p: Pass, phase: Phase, op, chosen: OpTokens) -> None:
@@ -442,7 +443,8 @@ class SiteRuntime:
         if self._reads_home is not None:
             self._reads_home.record()
         tokens = chosen.tokens
-        self._pending.append(PendingRead(p, phase, op, self.step.row[tokens], self.step.padded_pos[tokens], home))
+        self._pending.append(PendingRead(p, phase, op, self.step.row.index_select(0, tokens),
+                                         self.step.padded_pos.index_select(0, tokens), home))
 
 
 def _put(spec, rows: torch.Tensor, positions: torch.Tensor, values: torch.Tensor) -> None:

@@ -25,7 +25,8 @@ softmax, topk_mask, matmul, the final store) mask the padding out (-inf before a
 a sum). `a @ W` (a value times a constant) runs over tiles of a's features read from memory: from x
 itself when a is the site row (x's row is not held in registers unless an op other than a matmul
 reads it), else from a scratch row the program owns, since registers cannot be indexed by lane.
-A tile is a tl.dot once a program's row blocks reach 16 rows and W 16 outputs; otherwise
+A tile is a tl.dot once a program's row blocks reach 16 rows and W 16 outputs (in tf32x3: three
+TF32 tensor-core products, ~1e-6 relative, where ieee fp32 ran on the FMA units); otherwise
 (narrow outputs, such as the dot product of a gate, or wide rows in blocks of 4) a broadcast
 product summed over the tile, tiles as wide as keep that product within 8K registers' elements:
 a 4096-wide dot product is 2 tiles, not 4096 dependent loads (the bench apps' two program kernels

@@ -137,10 +137,13 @@ def norm_read(F, gen):
 
 
 def matmul_gate(F, gen):
-    """x + relu(x @ u) * v, the gate as a one-output matmul (as `act @ u` lowers)"""
+    """x + relu(x @ u) * v, the gate as a one-output matmul (as `act @ u` lowers). u / sqrt(F), as
+    the other gates: with a unit-variance u the gate grows as sqrt(F), and at F = 4096 an output
+    that cancels to near 0 carries that product's fp32 rounding (~1e-4; any summation order: the
+    interpreter and the GPU both missed a 1e-5 tolerance there by as much)"""
     p = Program()
     x = p.op("x", shape=(F,))
-    gate = p.op("relu", p.matmul(x, randn(F, 1, gen=gen)), shape=(1,))
+    gate = p.op("relu", p.matmul(x, randn(F, 1, gen=gen) / F**0.5), shape=(1,))
     p.op("add", x, p.op("mul", gate, p.const(randn(F, gen=gen)), shape=(F,)), shape=(F,))
     return p.build()
 

@@ -58,8 +58,9 @@ class VllmEngine:
     def __init__(self, llm, runtime, unembed: tuple[torch.Tensor, torch.Tensor]):
         self.llm, self.runtime = llm, runtime
         # unembed.hook_in (the final norm's output) -> logits: vLLM's lm_head in fp32, on the device
-        # of an in-process engine (a call's logits and losses are computed there: `unembed`)
-        self.W_U, self.b_U = (t.to(runtime.device) for t in unembed)
+        # of an in-process engine where it fits beside vLLM's share of the memory (a call's logits
+        # and losses are computed there: `unembed`), else on the host
+        self.W_U, self.b_U = (t.to(_unembedding_device(runtime.device, unembed[0])) for t in unembed)
         self.last_run_stats: dict = {}  # requests, prompt tokens and prefix-cache hits of the last run
 
     @classmethod
@@ -259,6 +260,15 @@ class VllmEngine:
                 log_probs = block[:, :-1].log_softmax(-1)
                 nll[r:r + rows] = -log_probs.gather(-1, targets[..., None])[..., 0].cpu()
         return all_logits, nll
+
+
+def _unembedding_device(device: torch.device, W_U: torch.Tensor) -> torch.device:
+    """The engine's device if an fp32 W_U takes at most a quarter of its free memory (vLLM has taken
+    its share already: a 128k-vocabulary 8B model's is 2 GiB), else the host."""
+    if device.type != "cuda":
+        return device
+    free, _ = torch.cuda.mem_get_info(device)
+    return device if 4 * W_U.numel() * W_U.element_size() <= free else torch.device("cpu")
 
 
 def row_salts(plan: PassPlan) -> list[str | None]:

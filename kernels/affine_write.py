@@ -16,6 +16,11 @@ Contracts (shared with the torch twin):
   bias       [N, F] fp32 contiguous, bias_idx  [R] int32 into it (repeats welcome)
   U [F, K], V [K, F] fp32 contiguous, K >= 0 (K == 0: no low-rank term)
 The math is fp32; the result is cast to x's dtype.
+
+Two kernels: `affine_write_kernel` takes rows in blocks of 16 (the feature axis split over
+programs without a low-rank term; tl.dot for one of rank > 16), `affine_write_row_kernel` one row
+per program for ranks 1 to 16 (on an H200, projecting a direction out of 32 tokens of 4,096
+features: 4.0 us, bench/kernels.py).
 """
 
 import triton

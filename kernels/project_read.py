@@ -13,6 +13,10 @@ Contracts (shared with the torch twin):
   out   [capacity, K] any float dtype, rows contiguous; only rows dest[:] are written
   dest  [R] int32 slots in out, distinct
 The math is fp32; the result is cast to out's dtype.
+
+Two kernels: `project_read_kernel` takes rows in blocks of 16 and outputs in blocks (tl.dot), for
+more than 16 outputs; `project_read_row_kernel` one row per program for up to 16 (on an H200, a
+2-value probe of 32 tokens of 4,096 features: 2.9 us, bench/kernels.py).
 """
 
 import triton

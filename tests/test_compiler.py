@@ -25,11 +25,12 @@ def run_lowered(fns, act: torch.Tensor):
     ops = lower(tracer.graph)
     runtime = SiteRuntime("llama", [SITE], {SITE}, torch.device("cpu"), max_tokens=B * P)
     p = runtime.open_pass([P] * B, [0] * B, (P, {SITE: ops}))
-    runtime.step = StepTokens(torch.zeros(B * P, dtype=torch.long), torch.arange(B).repeat_interleave(P),
-                              torch.zeros(B * P, dtype=torch.bool), torch.arange(P).repeat(B))
+    runtime.set_step(StepTokens(torch.zeros(B * P, dtype=torch.long), torch.arange(B).repeat_interleave(P),
+                                torch.zeros(B * P, dtype=torch.bool), torch.arange(P).repeat(B)))
     x = act.reshape(B * P, -1).clone()
     runtime.run_site(x, 0)
-    reads = [p.result(("prefill", SITE, k)) for k in range(len(kept))]
+    values = runtime.finish_passes([p.pass_id], [])[0].values  # the reads, put into the pass as it closes
+    reads = [values[("prefill", SITE, k)] for k in range(len(kept))]
     return x.reshape(act.shape), reads, tracer.graph, ops
 
 

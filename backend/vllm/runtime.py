@@ -347,9 +347,15 @@ class SiteRuntime:
                     prompt_len[lo:hi], pad[lo:hi] = p.prompt_lens[r], p.pad_offsets[r]
         positions = positions.to("cpu", torch.long)
         decode = positions >= prompt_len
-        self.step = StepTokens(pass_id, row, decode, torch.where(decode, 0, positions + pad))
-        self._put_pending_reads()  # the last step's (its copies are done by now, or nearly)
-        self.step.ops = self._op_tokens(self.step)
+        self.set_step(StepTokens(pass_id, row, decode, torch.where(decode, 0, positions + pad)))
+
+    def set_step(self, step: StepTokens) -> None:
+        """The coming step's tokens (begin_step makes them from vLLM's batch): the last step's reads
+        go into their passes (their copies are done by now, or nearly), and every pass op's tokens
+        in this step are placed, on the host and the device."""
+        self.step = step
+        self._put_pending_reads()
+        step.ops = self._op_tokens(step)
 
     def _op_tokens(self, step: StepTokens) -> dict:
         """Every pass op's tokens in the step, on the host and (in one copy) on the device."""

@@ -240,6 +240,9 @@ class ControlPlane:
             RING_DEPTH, -1)
         # made once and recorded again each step (no object per step)
         self._staged_events = [torch.cuda.Event() for _ in range(RING_DEPTH)] if pin else None
+        # per staging buffer, the (rows, width, tokens) and layout of the step it last held
+        self._staged_shape: list[tuple | None] = [None] * RING_DEPTH
+        self._staged_layout: list[_Layout | None] = [None] * RING_DEPTH
         self._copied_home = torch.cuda.Event() if pin else None  # after the last queued copy into the read logs
         self.ring_positions = torch.zeros(RING_DEPTH, self.max_tokens, dtype=torch.long, device=self.device)
         self._unqueued: _Step | None = None  # the prepared step whose reads are not queued home yet
@@ -474,15 +477,23 @@ class ControlPlane:
         rows_used = len(self.slots)
         size = rows_used * 3 * width
         staging = self._staging[slot][:size].view(rows_used, 3, width)
-        staging[:, ROWS] = -1
-        staging[:, DEST] = self._ring_slots[slot, :width]
-        staging[:, TABLE] = 0
+        shape = (rows_used, width, n_tokens)
+        if self._staged_shape[slot] != shape or self._staged_layout[slot] is not layout:
+            # what no step of this shape and layout writes below: -1 past the tokens and in rows of
+            # no op, ring slots, table rows 0 (kept between such steps: three fills a step less)
+            staging[:, ROWS] = -1
+            staging[:, DEST] = self._ring_slots[slot, :width]
+            staging[:, TABLE] = 0
+            self._staged_shape[slot], self._staged_layout[slot] = shape, layout
         per_request = np.diff(query_start)
         token_bits = np.repeat(request_bits, per_request)
         tokens = np.arange(n_tokens, dtype=np.int32)
         on = (token_bits[None, :] >> layout.shifts) & 1 == 1  # [ops, tokens]: whether the op runs on the token
         staging[layout.rows, ROWS, :n_tokens] = torch.from_numpy(np.where(on, tokens, -1))
-        for op in layout.table_ops if self._slot else ():
+        for op in layout.table_ops:  # each token's table row: its request's own, else 0 (the defaults)
+            if not self._slot:
+                staging[op.index, TABLE, :n_tokens] = 0
+                continue
             own = np.fromiter((slot if op.app in apps else 0
                                for slot, apps in (self._slot.get(r, (0, ())) for r in req_ids)),
                               dtype=np.int32, count=len(req_ids))

@@ -1,5 +1,5 @@
 """App configs (xmix_lens/app_config.py): export -> load -> install gives the original apps' results
-bit for bit, and every kind of bad config is refused before an engine starts, naming the app, the
+(to fp32 rounding), and every kind of bad config is refused before an engine starts, naming the app, the
 field and the fix."""
 import contextlib
 import json
@@ -62,19 +62,63 @@ def exported(served, tmp_path_factory):
     return results, folder
 
 
-def test_export_load_install_is_bit_identical(exported):
-    (forward, generated), folder = exported
+@pytest.fixture(scope="module")
+def from_config(exported):
+    """A compiled engine serving the exported config (every hook point armed, as by default)."""
+    _, folder = exported
     model = HookedServedModel.from_pretrained(str(tiny_llama()), max_model_len=256, config=str(folder))
+    yield model
+    model.shutdown()
+
+
+def test_export_load_install_gives_the_same_results(exported, from_config):
+    """To fp32 rounding: the config's apps run in the compiled model (sites.py), the same apps
+    installed after the session engine was built run in steps that leave it uncompiled."""
+    (forward, generated), _ = exported
+    model = from_config
+    assert set(model.app_registry.resident) == {"steer", "probe", "gate"}
+    out = model.run_with_hooks(PROMPTS, apps=["steer", "probe", "gate"])
+    torch.testing.assert_close(out.result, forward.result, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.outputs["probe"]["score"], forward.outputs["probe"]["score"], rtol=1e-5, atol=1e-5)
+    assert model.generate(PROMPTS, max_new_tokens=5, do_sample=False, apps=["steer", "gate"]).result \
+        == generated.result
+    assert not torch.equal(model(PROMPTS), forward.result)  # the apps did something
+
+
+def sites_run(model, call) -> set[str]:
+    """The hook points whose sites ran in the steps of `call()`."""
+    runtime, ran = model.engine.runtime, []
+    run_site = runtime.run_site
+    runtime.run_site = lambda x, site_id: (ran.append(site_id), run_site(x, site_id))[-1]
     try:
-        assert set(model.app_registry.resident) == {"steer", "probe", "gate"}
-        out = model.run_with_hooks(PROMPTS, apps=["steer", "probe", "gate"])
-        assert torch.equal(out.result, forward.result)
-        assert torch.equal(out.outputs["probe"]["score"], forward.outputs["probe"]["score"])
-        assert model.generate(PROMPTS, max_new_tokens=5, do_sample=False, apps=["steer", "gate"]).result \
-            == generated.result
-        assert not torch.equal(model(PROMPTS), forward.result)  # the apps did something
+        call()
     finally:
-        model.shutdown()
+        del runtime.run_site
+    return {runtime.site_names[i] for i in ran}
+
+
+def test_the_compiled_model_holds_only_the_sites_of_apps_built_in(served, from_config):
+    """An armed hook point with no app's op when the engine is built is left out of the compiled
+    model (what CUDA graphs capture): a plain call's steps run the built-in apps' sites and the
+    logits read (unembed.hook_in) only; a call's hook elsewhere runs its steps uncompiled, every armed site in
+    them, and equals the same hook in the research engine."""
+    apps_points = {"blocks.0.hook_resid_post", "blocks.1.hook_resid_post", "blocks.1.hook_resid_pre"}
+    assert sites_run(from_config, lambda: from_config(PROMPTS)) == apps_points | {"unembed.hook_in"}
+    research = served["tiny-llama"]
+    assert sites_run(research, lambda: research(PROMPTS)) == {"unembed.hook_in"}
+
+    def halve(act, hook):
+        return act * 0.5
+
+    hooks = [("blocks.0.hook_mlp_out", halve)]
+    everything = set(from_config.engine.runtime.armed)
+    assert len(everything) > len(apps_points) + 1
+    out = {}
+    for name, model in (("config", from_config), ("research", research)):
+        assert sites_run(model, lambda: out.setdefault(name, model.run_with_hooks(PROMPTS, fwd_hooks=hooks))) \
+            == everything
+    torch.testing.assert_close(out["config"], out["research"])
+    assert not torch.equal(out["research"], research(PROMPTS))  # the hook did something
 
 
 def test_the_folder_holds_json_and_safetensors_only(exported):

@@ -163,6 +163,12 @@ def _eager_steps_when_needed(runner, runtime) -> None:
     manager.xmix_wrapped = True
 
 
+def run_uncompiled() -> None:
+    """This step's forward runs vLLM's model as written, not its compiled graph: the forward
+    context's `skip_compiled` (vLLM 0.26 and 0.27 both honour it in `support_torch_compile`)."""
+    get_forward_context().skip_compiled = True
+
+
 def clear_nonfinite_kv(runner) -> None:
     """NaN and infinite values in the engine's KV cache set to 0 (a finite value in a slot no
     request attends to changes nothing: its attention weight is exactly 0)."""

@@ -447,8 +447,14 @@ class ControlPlane:
     @property
     def needs_eager_steps(self) -> bool:
         """Whether a request in flight uses an op that no captured CUDA graph contains."""
-        uncaptured = {o.app for o in self.ops if not o.captured}
-        return bool(uncaptured) and any(names & uncaptured for names in [*self.selected.values(), self.defaults])
+        return self._selects({o.app for o in self.ops if not o.captured})
+
+    def selects_ops_outside(self, sites: set[int]) -> bool:
+        """Whether a request in flight uses an op at a site not in `sites`."""
+        return self._selects({o.app for site, ops in self.by_site.items() if site not in sites for o in ops})
+
+    def _selects(self, apps: set[str]) -> bool:
+        return bool(apps) and any(names & apps for names in [*self.selected.values(), self.defaults])
 
     # --- per step ---------------------------------------------------------------------------------
     def prepare_step(self, req_ids: list[str], query_start, n_tokens: int, positions: torch.Tensor,

@@ -67,7 +67,7 @@ class VllmEngine:
     def build(cls, model_dir, dtype: torch.dtype, n_heads: int, max_model_len: int,
               enforce_eager: bool, armed, apps: list[tuple[str, dict, dict]], d_vocab: int,
               **engine_kwargs) -> "VllmEngine":
-        """An in-process vLLM engine with `armed` hook points compiled in ("all", or names) and
+        """An in-process vLLM engine with `armed` hook points ("all", or names: sites.py) and
         `apps` (name, lowered ops per hook point, request params) resident from the start, so that its CUDA graphs
         contain them. Everything is checked before vLLM starts."""
         from vllm import LLM

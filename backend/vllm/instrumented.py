@@ -5,7 +5,7 @@ tells the site runtime where each token of a step belongs before the forward run
 are armed comes from the engine's `additional_config={"xmix_lens": {"armed": [...] | "all"}}`;
 with no such entry nothing is armed and the model runs as vLLM's own. `"config"` names an app
 config folder (xmix_lens/app_config.py) whose apps are installed as the model is built (before
-CUDA-graph capture), their hook points armed: how `vllm serve` gets them, and how the in-process
+CUDA-graph capture), their hook points armed and compiled in: how `vllm serve` gets them, and how the in-process
 engine hands its apps to TP workers (with `"facade": true`: its requests come from the facade in
 its own process, not from an API server).
 """
@@ -26,6 +26,7 @@ from .runtime import SiteRuntime
 from .sharding import is_sharded
 from .sites import install_sites
 
+LOGITS_POINT = "unembed.hook_in"  # the final norm's output: the facade reads it for a call's logits
 logger = init_logger("vllm.xmix_lens")  # under "vllm": vLLM's log handler prints it with its own lines
 
 
@@ -81,13 +82,17 @@ class _Instrumented:
         hf_config = vllm_config.model_config.hf_config
         n_layers = hf_config.num_hidden_layers
         apps = configured_apps(vllm_config)
-        armed = armed_sites(vllm_config, self.family, n_layers) | {point for _, ops, _ in apps for point in ops}
-        names = install_sites(self, self.family, n_layers, armed)
+        app_points = {point for _, ops, _ in apps for point in ops}
+        armed = armed_sites(vllm_config, self.family, n_layers) | app_points
+        # compiled in (sites.py): the apps' sites, and where a call reads its logits (when armed),
+        # so that a call with no hook of its own runs the compiled model
+        compiled = app_points | ({LOGITS_POINT} & armed)
+        names = install_sites(self, self.family, n_layers, armed, compiled)
         world = get_tensor_model_parallel_world_size()
         self.xmix_runtime = SiteRuntime(self.family, names, armed, torch.device(vllm_config.device_config.device),
                                         _max_step_tokens(vllm_config), apps, get_tensor_model_parallel_rank(),
                                         world, _shard_widths(self.family, names, hf_config, world),
-                                        vllm_config.scheduler_config.max_num_seqs)
+                                        vllm_config.scheduler_config.max_num_seqs, compiled)
         adapter.register_site_runtime(vllm_config, self.xmix_runtime)
         runner, worker = adapter.building_model()
         if runner is not None:
@@ -101,6 +106,8 @@ class _Instrumented:
 
     def forward(self, input_ids, positions, *args, **kwargs):
         self.xmix_runtime.begin_step(positions)
+        if self.xmix_runtime.needs_uncompiled_step:  # see sites.py: the armed sites it needs are not compiled in
+            adapter.run_uncompiled()
         return super().forward(input_ids, positions, *args, **kwargs)
 
 

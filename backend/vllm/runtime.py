@@ -116,9 +116,12 @@ class PendingRead:
 class SiteRuntime:
     def __init__(self, family: str, site_names: list[str], armed: set[str], device: torch.device,
                  max_tokens: int, apps: list = (), tp_rank: int = 0, tp_world: int = 1,
-                 shard_widths: dict[str, int | None] | None = None, max_requests: int = 256) -> None:
+                 shard_widths: dict[str, int | None] | None = None, max_requests: int = 256,
+                 compiled: set[str] = frozenset()) -> None:
         self.family, self.site_names, self.armed = family, site_names, armed
         self.site_id = {name: i for i, name in enumerate(site_names)}
+        # the armed sites in the compiled model (sites.py): a step that needs any other runs uncompiled
+        self.compiled_sites = {self.site_id[name] for name in compiled}
         self.model_runner = None  # bound by the facade: where the step's request order comes from
         self.device = device  # the engine's device, where lowered ops' tensors go
         # tensor parallelism: this worker's rank, and the whole width of each sharded site (None:
@@ -317,6 +320,16 @@ class SiteRuntime:
         """Whether the coming steps must run the sites' Python (no CUDA-graph replay): a pass's
         host-planned ops are in flight, or an app installed after graph capture is selected."""
         return self._host_passes() or self.control.needs_eager_steps
+
+    @property
+    def needs_uncompiled_step(self) -> bool:
+        """Whether the coming step has ops at sites the compiled model leaves out (sites.py): a
+        pass's, or those of a selected app installed after the model was compiled."""
+        compiled = self.compiled_sites
+        if any(site not in compiled for p in self.passes.values() if p.rows
+               for _, phase in p.phases() for site in phase.ops):
+            return True
+        return self.control.selects_ops_outside(compiled)
 
     def _host_passes(self) -> bool:
         return any(p.rows and (p.prefill.ops or p.decode and p.decode.ops) for p in self.passes.values())

@@ -3,8 +3,15 @@
 A site is a call `torch.ops.xmix.site(x, site_id)` (or `site_cols`, for columns of x) that may
 rewrite `x` in place. Sites are put into a model by wrapping submodule forwards on the instance
 right after construction, before torch.compile first traces the model, so the compiled graph
-contains them. Only armed sites are installed: an unarmed hook point costs nothing, and vLLM's
-fused residual add + norm stays fused unless a residual site around it is armed.
+contains them. Only armed sites are installed: an unarmed hook point costs nothing.
+
+Two views of the armed sites (`SiteIds`): the compiled model, which CUDA graphs capture, holds
+only the *compiled* sites, those with an app's op when the model is built; the model run
+uncompiled (a step that needs other armed sites: a call's hooks, an app installed later) holds
+every armed site. So an armed site that no app uses costs nothing in the steps that replay graphs
+(as it would as an opaque op: no kernel of its own, but a barrier to Inductor's fusions, and an
+unfused residual add + norm), and vLLM's fused residual add + norm stays fused unless a residual
+site around it is compiled.
 
 Each family is a table: (submodule path, placement, hook names). Placements:
   "after"         sites on the module's output (the tensor; for vLLM's linear layers, which
@@ -30,6 +37,7 @@ A site tensor is 2-D, [tokens, features]: a hook point's per-token feature shape
 (`hook_points.feature_shape`, e.g. (n_heads, d_head) for hook_q) is flattened into its row.
 """
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -110,12 +118,24 @@ def site_table(family: str, n_layers: int) -> list[tuple[str, str, dict[str, lis
     return table
 
 
-def _run_sites(x: torch.Tensor, site_ids: list[int]) -> None:
-    for site_id in site_ids:
+@dataclass(frozen=True)
+class SiteIds:
+    """The sites of one place in a module: every armed one, and those compiled in."""
+
+    armed: tuple[int, ...]
+    compiled: tuple[int, ...]
+
+    def now(self) -> tuple[int, ...]:
+        # Dynamo reads is_compiling() as True while it traces: the compiled model's view
+        return self.compiled if torch.compiler.is_compiling() else self.armed
+
+
+def _run_sites(x: torch.Tensor, site_ids: SiteIds) -> None:
+    for site_id in site_ids.now():
         torch.ops.xmix.site(x, site_id)
 
 
-def _wrap_after(module: nn.Module, site_ids: list[int]) -> None:
+def _wrap_after(module: nn.Module, site_ids: SiteIds) -> None:
     inner = module.forward
 
     def forward(*args, **kwargs):
@@ -126,7 +146,7 @@ def _wrap_after(module: nn.Module, site_ids: list[int]) -> None:
     module.forward = forward
 
 
-def _wrap_split(module: nn.Module, parts: list[list[int]]) -> None:
+def _wrap_split(module: nn.Module, parts: list[SiteIds]) -> None:
     """Sites on column slices of the output: part i is columns [sum(sizes[:i]), sum(sizes[:i+1]))."""
     sizes = list(module.output_partition_sizes)
     if len(sizes) != len(parts):
@@ -138,14 +158,14 @@ def _wrap_split(module: nn.Module, parts: list[list[int]]) -> None:
         out = inner(*args, **kwargs)
         y = out[0] if isinstance(out, tuple) else out
         for (lo, hi), site_ids in zip(bounds, parts):
-            for site_id in site_ids:  # on the whole output: see site_op.py for why not on a view
+            for site_id in site_ids.now():  # on the whole output: see site_op.py for why not on a view
                 torch.ops.xmix.site_cols(y, site_id, lo, hi)
         return out
 
     module.forward = forward
 
 
-def _wrap_before(module: nn.Module, site_ids: list[int]) -> None:
+def _wrap_before(module: nn.Module, site_ids: SiteIds) -> None:
     inner = module.forward
 
     def forward(x, *args, **kwargs):
@@ -172,14 +192,17 @@ def _weighted(norm: nn.Module, normalized: torch.Tensor) -> torch.Tensor:
     return out + norm.bias if getattr(norm, "bias", None) is not None else out
 
 
-def _wrap_norm(norm: nn.Module, sum_ids: list[int], scale_ids: list[int], normalized_ids: list[int],
-               weighted_ids: list[int]) -> None:
+def _wrap_norm(norm: nn.Module, sum_ids: SiteIds, scale_ids: SiteIds, normalized_ids: SiteIds,
+               weighted_ids: SiteIds) -> None:
     inner = norm.forward
 
     def forward(x, residual=None):
+        if not (sum_ids.now() or scale_ids.now() or normalized_ids.now() or weighted_ids.now()):
+            # the norm as vLLM runs it (Llama's: fused with the residual add)
+            return inner(x) if residual is None else inner(x, residual)
         resid = x if residual is None else x + residual
         _run_sites(resid, sum_ids)
-        if scale_ids or normalized_ids:
+        if scale_ids.now() or normalized_ids.now():
             centred = _centred(norm, resid)
             scale = _scale(norm, centred).to(resid.dtype)
             _run_sites(scale, scale_ids)
@@ -194,14 +217,14 @@ def _wrap_norm(norm: nn.Module, sum_ids: list[int], scale_ids: list[int], normal
     norm.forward = forward
 
 
-def _wrap_attention(attention: nn.Module, q_ids: list[int], k_ids: list[int]) -> None:
+def _wrap_attention(attention: nn.Module, q_ids: SiteIds, k_ids: SiteIds) -> None:
     inner = attention.forward
 
     def forward(query, key, value, *args, **kwargs):
-        if q_ids:
+        if q_ids.now():
             query = query.clone(memory_format=torch.contiguous_format)
             _run_sites(query, q_ids)
-        if k_ids:
+        if k_ids.now():
             key = key.clone(memory_format=torch.contiguous_format)
             _run_sites(key, k_ids)
         return inner(query, key, value, *args, **kwargs)
@@ -209,8 +232,9 @@ def _wrap_attention(attention: nn.Module, q_ids: list[int], k_ids: list[int]) ->
     attention.forward = forward
 
 
-def install_sites(model: nn.Module, family: str, n_layers: int, armed: set[str]) -> list[str]:
-    """Wrap the submodules of a freshly built vLLM model so that the armed hook points call sites.
+def install_sites(model: nn.Module, family: str, n_layers: int, armed: set[str], compiled: set[str]) -> list[str]:
+    """Wrap the submodules of a freshly built vLLM model so that the armed hook points call sites,
+    the `compiled` ones (a subset) also in the compiled model.
 
     Returns every hook point name of the family in firing order; site id = index in that list.
     """
@@ -218,25 +242,26 @@ def install_sites(model: nn.Module, family: str, n_layers: int, armed: set[str])
     names = hook_names(family, n_layers)
     site_id = {name: i for i, name in enumerate(names)}
 
-    def armed_ids(group: list[str]) -> list[int]:
-        return [site_id[n] for n in group if n in armed]
+    def ids(group: list[str]) -> SiteIds:
+        return SiteIds(tuple(site_id[n] for n in group if n in armed),
+                       tuple(site_id[n] for n in group if n in armed and n in compiled))
 
     for path, placement, groups in table:
         module = model.get_submodule(path)
         if placement == "norm":
-            ids = [armed_ids(groups.get(part, [])) for part in ("sum", "scale", "normalized", "weighted")]
-            if any(ids):
-                _wrap_norm(module, *ids)
+            parts = [ids(groups.get(part, [])) for part in ("sum", "scale", "normalized", "weighted")]
+            if any(part.armed for part in parts):
+                _wrap_norm(module, *parts)
         elif placement == "attention":
-            q_ids, k_ids = armed_ids(groups["q"]), armed_ids(groups["k"])
-            if q_ids or k_ids:
+            q_ids, k_ids = ids(groups["q"]), ids(groups["k"])
+            if q_ids.armed or k_ids.armed:
                 _wrap_attention(module, q_ids, k_ids)
         elif placement == "split":
-            parts = [armed_ids(group) for group in groups.values()]
-            if any(parts):
+            parts = [ids(group) for group in groups.values()]
+            if any(part.armed for part in parts):
                 _wrap_split(module, parts)
-        elif ids := armed_ids(groups.get("in", groups.get("out", []))):
-            (_wrap_before if placement == "before" else _wrap_after)(module, ids)
+        elif (site_ids := ids(groups.get("in", groups.get("out", [])))).armed:
+            (_wrap_before if placement == "before" else _wrap_after)(module, site_ids)
     return names
 
 

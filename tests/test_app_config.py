@@ -1,5 +1,5 @@
 """App configs (xmix_lens/app_config.py): export -> load -> install gives the original apps' results
-(to fp32 rounding), and every kind of bad config is refused before an engine starts, naming the app, the
+bit for bit, and every kind of bad config is refused before an engine starts, naming the app, the
 field and the fix."""
 import contextlib
 import json
@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from tests.tiny_models import tiny_gpt2, tiny_llama
 from xmix_lens import App, HookedServedModel, app_config
+from xmix_lens.backend.vllm.engine import ServedRequest
 
 PROMPTS = ["Hello World! How are you", "Hi"]
 
@@ -71,15 +72,13 @@ def from_config(exported):
     model.shutdown()
 
 
-def test_export_load_install_gives_the_same_results(exported, from_config):
-    """To fp32 rounding: the config's apps run in the compiled model (sites.py), the same apps
-    installed after the session engine was built run in steps that leave it uncompiled."""
+def test_export_load_install_is_bit_identical(exported, from_config):
     (forward, generated), _ = exported
     model = from_config
     assert set(model.app_registry.resident) == {"steer", "probe", "gate"}
     out = model.run_with_hooks(PROMPTS, apps=["steer", "probe", "gate"])
-    torch.testing.assert_close(out.result, forward.result, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(out.outputs["probe"]["score"], forward.outputs["probe"]["score"], rtol=1e-5, atol=1e-5)
+    assert torch.equal(out.result, forward.result)
+    assert torch.equal(out.outputs["probe"]["score"], forward.outputs["probe"]["score"])
     assert model.generate(PROMPTS, max_new_tokens=5, do_sample=False, apps=["steer", "gate"]).result \
         == generated.result
     assert not torch.equal(model(PROMPTS), forward.result)  # the apps did something
@@ -97,28 +96,39 @@ def sites_run(model, call) -> set[str]:
     return {runtime.site_names[i] for i in ran}
 
 
+def serve_one(model) -> list[int]:
+    """A request as a server sends it (no app chosen): its greedy tokens."""
+    request = ServedRequest("one", model.to_tokens(PROMPTS[0])[0].tolist(), {"max_tokens": 4, "temperature": 0.0})
+    (result,) = model.engine.serve([request], in_flight=1)
+    return result.tokens
+
+
 def test_the_compiled_model_holds_only_the_sites_of_apps_built_in(served, from_config):
     """An armed hook point with no app's op when the engine is built is left out of the compiled
-    model (what CUDA graphs capture): a plain call's steps run the built-in apps' sites and the
-    logits read (unembed.hook_in) only; a call's hook elsewhere runs its steps uncompiled, every armed site in
-    them, and equals the same hook in the research engine."""
-    apps_points = {"blocks.0.hook_resid_post", "blocks.1.hook_resid_post", "blocks.1.hook_resid_pre"}
-    assert sites_run(from_config, lambda: from_config(PROMPTS)) == apps_points | {"unembed.hook_in"}
+    model (what serves requests, and what CUDA graphs capture): a served step runs the built-in
+    apps' sites only, none in a research engine. A call of the facade runs vLLM's model
+    uncompiled, every armed site in it, so that calls hooked elsewhere, or not at all, compute
+    alike in both engines."""
     research = served["tiny-llama"]
-    assert sites_run(research, lambda: research(PROMPTS)) == {"unembed.hook_in"}
+    apps_points = {"blocks.0.hook_resid_post", "blocks.1.hook_resid_post", "blocks.1.hook_resid_pre"}
+    assert sites_run(from_config, lambda: serve_one(from_config)) == apps_points
+    assert sites_run(research, lambda: serve_one(research)) == set()
+    assert serve_one(from_config) == serve_one(research)  # no app chosen: the same model
 
     def halve(act, hook):
         return act * 0.5
 
-    hooks = [("blocks.0.hook_mlp_out", halve)]
     everything = set(from_config.engine.runtime.armed)
     assert len(everything) > len(apps_points) + 1
     out = {}
     for name, model in (("config", from_config), ("research", research)):
-        assert sites_run(model, lambda: out.setdefault(name, model.run_with_hooks(PROMPTS, fwd_hooks=hooks))) \
-            == everything
-    torch.testing.assert_close(out["config"], out["research"])
-    assert not torch.equal(out["research"], research(PROMPTS))  # the hook did something
+        out[name] = {}
+        for call, hooks in (("plain", []), ("hooked", [("blocks.0.hook_mlp_out", halve)])):
+            ran = sites_run(model, lambda: out[name].setdefault(call, model.run_with_hooks(PROMPTS, fwd_hooks=hooks)))
+            assert ran == everything, (name, call)
+    assert torch.equal(out["config"]["plain"], out["research"]["plain"])
+    assert torch.equal(out["config"]["hooked"], out["research"]["hooked"])
+    assert not torch.equal(out["research"]["hooked"], out["research"]["plain"])  # the hook did something
 
 
 def test_the_folder_holds_json_and_safetensors_only(exported):

@@ -31,7 +31,7 @@ from .trace import TraceError, Tracer, as_parameters, hook_that_raised, traced_o
 
 HookFn = Callable[..., torch.Tensor | None]
 HookSpec = tuple[str | Callable[[str], bool], HookFn]
-_FINAL = "unembed.hook_in"  # the final norm's output, read for the logits (compiled in: instrumented.py)
+_FINAL = "unembed.hook_in"  # the final norm's output, read for the logits
 _UNEMBED_OUT = "unembed.hook_out"
 _LOGITS_KEY = ("logits", 0)
 
@@ -94,9 +94,11 @@ class HookedServedModel:
         (tl_surface.processed_folder); `model.tl` and the weights (`model.W_U` ...) are then the processed ones.
 
         `armed` is the set of hook points the engine can hook without a rebuild ("all": a research
-        engine). torch.compile stays on unless enforce_eager, and so do CUDA graphs on a GPU. The
-        compiled model holds the sites of the apps built in and the logits read only, so armed
-        points cost nothing until hooked; a call that hooks another runs its steps uncompiled. `apps` (xmix_lens.App, or objects with `name` and `fwd_hooks`)
+        engine). torch.compile stays on unless enforce_eager, and so do CUDA graphs on a GPU: the
+        compiled model holds the sites of the apps built in only, so that armed points cost served
+        requests nothing. The calls of this API (`model(...)`, run_with_hooks, run_with_cache,
+        generate) run vLLM's model uncompiled, every armed site in it: hooked or not, every call
+        computes the same way. `apps` (xmix_lens.App, or objects with `name` and `fwd_hooks`)
         are installed as the engine is built, so that its CUDA graphs contain them (see
         backend/vllm/control.py); so are the apps of `config`, an app config folder (`export`),
         checked against this model before the engine starts.

@@ -26,7 +26,6 @@ from .runtime import SiteRuntime
 from .sharding import is_sharded
 from .sites import install_sites
 
-LOGITS_POINT = "unembed.hook_in"  # the final norm's output: the facade reads it for a call's logits
 logger = init_logger("vllm.xmix_lens")  # under "vllm": vLLM's log handler prints it with its own lines
 
 
@@ -82,11 +81,8 @@ class _Instrumented:
         hf_config = vllm_config.model_config.hf_config
         n_layers = hf_config.num_hidden_layers
         apps = configured_apps(vllm_config)
-        app_points = {point for _, ops, _ in apps for point in ops}
-        armed = armed_sites(vllm_config, self.family, n_layers) | app_points
-        # compiled in (sites.py): the apps' sites, and where a call reads its logits (when armed),
-        # so that a call with no hook of its own runs the compiled model
-        compiled = app_points | ({LOGITS_POINT} & armed)
+        compiled = {point for _, ops, _ in apps for point in ops}  # the sites CUDA graphs need (sites.py)
+        armed = armed_sites(vllm_config, self.family, n_layers) | compiled
         names = install_sites(self, self.family, n_layers, armed, compiled)
         world = get_tensor_model_parallel_world_size()
         self.xmix_runtime = SiteRuntime(self.family, names, armed, torch.device(vllm_config.device_config.device),

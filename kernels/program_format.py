@@ -91,6 +91,10 @@ class Plan:
     scratch_width: int
     block_rows: int
     num_warps: int
+    # (matmul op index, first partial column) of each tl.dot matmul of x, which a launch of few row
+    # blocks splits over programs (split_matmul.py); their outputs side by side in a partial row
+    split: tuple = ()
+    split_width: int = 0
 
 
 def _broadcast(i, name, shapes):
@@ -157,12 +161,18 @@ def plan(structure: tuple) -> Plan:
     held = [w for i, w in enumerate(widths) if ops[i][0] != "x" or x_held(i, output, ops)]
     widest = max(triton.next_power_of_2(w) for w in held or [1])
     block_rows = max(1, min(MAX_BLOCK_ROWS, LANES_PER_PROGRAM // widest))
+    split, split_width = [], 0
+    for i, (name, args, _) in enumerate(ops):
+        if name == "matmul" and ops[args[0]][0] == "x" and dot_tile(widths[i], block_rows):
+            split.append((i, split_width))
+            split_width += widths[i]
     return Plan(
         F=F, output=output, ops=ops, widths=tuple(widths), numbers=tuple(numbers),
         consts=tuple(sorted(consts.items())), scratch=tuple(scratch), scratch_width=scratch_width,
         # 16 warps for 16K lanes: 32 fp32 registers a thread per value (ptxas for sm_90 reports no
         # spills for F = 4096 steering or a 576 -> 4096 -> 576 top-k SAE)
         block_rows=block_rows, num_warps=min(16, max(4, block_rows * widest // 1024)),
+        split=tuple(split), split_width=split_width,
     )
 
 

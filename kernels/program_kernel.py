@@ -35,7 +35,9 @@ materialised whole: relu(x @ W_enc + b) @ W_dec holds the k SAE features of BLOC
 at once, which is what keeps topk_mask (a whole-row decision) correct. BLOCK_ROWS shrinks as
 values widen (16 rows up to 1024 lanes, 4 at 4096, 2 at 8192). A launch runs at most
 PROGRAMS_PER_SM programs per SM, program p taking row blocks p, p + programs, ..., so that the
-scratch (programs x BLOCK_ROWS x the staged inputs' widths, fp32) stays bounded.
+scratch (programs x BLOCK_ROWS x the staged inputs' widths, fp32) stays bounded. A launch of too
+few row blocks to fill the GPU (a decode step) splits each tl.dot matmul of x over programs
+(split_matmul.py: a launch of partial products before the kernel, which sums them in order).
 
 Limits (program_format.py; each raises NotImplementedError naming the op):
   * a value of at most MAX_LANES features (F and every n, matmul outputs included)
@@ -105,6 +107,7 @@ import triton
 
 from .program_format import MAX_TOPK, PROGRAMS_PER_SM, Plan, check_arguments, plan, structure
 from .program_source import Source, import_kernel
+from .split_matmul import partial_products, split_count
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +128,9 @@ class GeneratedKernel:
     fn: object  # its @triton.jit program_kernel
     seconds: float  # the time generating it took (writing and importing; Triton compiles at first launch)
 
-    def __call__(self, x, rows, program, table_index, out=None, dest=None) -> None:
+    def __call__(self, x, rows, program, table_index, out=None, dest=None, split_k: int | None = None) -> None:
+        """`split_k`: over how many programs to split the matmuls of x (split_matmul.py); by
+        default as many as fill the GPU, 1 on the CPU."""
         plan = self.plan
         consts, numbers = check_arguments(plan, x, rows, program, table_index, out, dest)
         for (i, _), number in zip(plan.numbers, numbers):
@@ -140,12 +145,22 @@ class GeneratedKernel:
         if plan.scratch_width:
             scratch = torch.empty(programs * plan.block_rows, plan.scratch_width, dtype=torch.float32,
                                   device=x.device)
+        split = []
+        if plan.split:
+            S = split_count(plan.F, R, x.device) if split_k is None else split_k
+            partial = x
+            if S > 1:
+                partial = torch.empty(S, R, plan.split_width, dtype=torch.float32, device=x.device)
+                for i, column in plan.split:
+                    partial_products(x, rows, program[1][plan.ops[i][1][1]], partial, column)
+            split = [partial, R * plan.split_width]
         write = out is None
         self.fn[(programs,)](
             x, x.stride(0), rows, R, rows if table_index is None else table_index,
             x if write else out, 0 if write else out.stride(0), rows if write else dest, scratch,
-            *consts, *numbers,
+            *split, *consts, *numbers,
             WRITE=write, BLOCK_ROWS=plan.block_rows, SCRATCH_WIDTH=plan.scratch_width, num_warps=plan.num_warps,
+            **({"SPLIT_K": S, "SPLIT_WIDTH": plan.split_width} if plan.split else {}),
         )
 
 

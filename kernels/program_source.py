@@ -195,7 +195,7 @@ class Source:
             tile = narrow_tile(width_in, n, self.plan.block_rows)
             how = f"tiles of {tile} input features, each a broadcast product summed over the tile"
             accumulate = f"    {v} += tl.sum(in_tile[:, :, None] * w_tile[None, :, :], axis=1)"
-        return [
+        product = [
             f"# {v} = {a} @ {w[:-4]}, [{width_in}] @ [{width_in}, {n}]: {how}",
             *before,
             f"{v} = tl.zeros((BLOCK_ROWS, {triton.next_power_of_2(n)}), dtype=tl.float32)",
@@ -205,6 +205,19 @@ class Source:
             f"    w_tile = tl.load({w} + f[:, None] * {n} + {lanes}, mask={w_mask}, other=0.0)",
             accumulate,
             *after,
+        ]
+        column = dict(self.plan.split).get(i)
+        if column is None:
+            return product
+        return [  # a launch of few row blocks splits it (split_matmul.py): its partial products summed in order
+            "if SPLIT_K > 1:",
+            f"    # {v} = {a} @ {w[:-4]}: the sum of SPLIT_K partial products over chunks of x's features",
+            f"    {v} = tl.zeros((BLOCK_ROWS, {triton.next_power_of_2(n)}), dtype=tl.float32)",
+            "    for s in tl.static_range(SPLIT_K):",
+            f"        {v} += tl.load(partial_ptr + s * partial_split_stride + entries.to(tl.int64) * SPLIT_WIDTH"
+            f" + ({column} + {lanes}), mask={self.mask(n, live=True)}, other=0.0)",
+            "else:",
+            *("    " + line for line in product),
         ]
 
     def store(self) -> list[str]:
@@ -262,9 +275,11 @@ class Source:
             "@triton.jit",
             "def program_kernel(",
             "    x_ptr, x_row_stride, rows_ptr, R, table_index_ptr, out_ptr, out_row_stride, dest_ptr, scratch_ptr,",
+            *(["    partial_ptr, partial_split_stride,"] if plan.split else []),
             *([f"    {', '.join(consts)},"] if consts else []),
             *([f"    {', '.join(numbers)},"] if numbers else []),
             "    WRITE: tl.constexpr, BLOCK_ROWS: tl.constexpr, SCRATCH_WIDTH: tl.constexpr,",
+            *(["    SPLIT_K: tl.constexpr, SPLIT_WIDTH: tl.constexpr,"] if plan.split else []),
             "):",
             *("    " + line for line in setup),
             "    # Program p takes row blocks p, p + num_programs, ...: a bounded grid bounds the scratch.",

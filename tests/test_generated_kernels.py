@@ -12,7 +12,7 @@ import torch
 import triton
 from triton.runtime.interpreter import InterpretedFunction
 
-from xmix_lens.kernels import program_format, program_kernel, program_torch
+from xmix_lens.kernels import program_format, program_kernel, program_torch, split_matmul
 from xmix_lens.lowered import TokenOp, TokenProgram
 
 from kernel_checks import SENTINEL, assert_matches, gen, random_subset, randn  # noqa: F401 (gen: fixture)
@@ -352,6 +352,59 @@ def test_gated_rows_are_skipped(gen):
         assert_matches(out, reference)
 
 
+# --- matmuls of x split over programs (split_matmul.py) -----------------------------------------------
+def test_partial_products_sum_to_the_matmul(gen):
+    """Each chunk's product lands in its partial at its column; a -1 row's partials are zeros, the
+    columns beside are left alone; the chunks sum to x[rows] @ W."""
+    F, N, R, S, column = 600, 40, 21, 4, 8
+    x, W = randn(30, F, gen=gen), randn(F, N, gen=gen) / F**0.5
+    rows = random_subset(30, R, gen)
+    rows[3] = -1
+    partial = torch.full((S, R, column + N + 5), SENTINEL)
+    split_matmul.partial_products(x, rows, W, partial, column)
+    live = rows >= 0
+    tile = program_format.dot_tile(N, 16)
+    chunk = triton.cdiv(triton.cdiv(F, S), tile) * tile
+    for s in range(S):
+        features = slice(s * chunk, (s + 1) * chunk)
+        torch.testing.assert_close(partial[s, live, column:column + N], x[rows[live].long(), features] @ W[features],
+                                   rtol=1e-5, atol=1e-5)
+    assert (partial[:, ~live, column:column + N] == 0).all()
+    assert (partial[..., :column] == SENTINEL).all() and (partial[..., column + N:] == SENTINEL).all()
+
+
+SPLIT = [lambda F, gen: sae_feature_read(F, gen, k=64), sae_reconstruction, sae_clamp]
+
+
+@pytest.mark.parametrize("split_k", [2, 4])
+@pytest.mark.parametrize("make", SPLIT)
+def test_split_matmuls_match_the_twin(make, split_k, gen):
+    """A launch that splits its matmuls of x gives the twin's result (gated-off rows included), and
+    the same result as the unsplit launch to fp32 rounding."""
+    F, T = 600, 40
+    program = make(F, gen)
+    kernel, _ = program_kernel.generate_kernel(program, F)
+    assert kernel.plan.split, "the program has a tl.dot matmul of x"
+    x = randn(T, F, gen=gen)
+    rows = random_subset(T, 27, gen)
+    rows[5] = -1
+    live = rows[rows >= 0]
+    if program.ops[program.output].shape == (F,) and make is sae_clamp:
+        expected, split, unsplit = x.clone(), x.clone(), x.clone()
+        program_torch.run_program_torch(expected, live, program, None)
+        kernel(split, rows, program, None, split_k=split_k)
+        kernel(unsplit, rows, program, None, split_k=1)
+    else:
+        width = math.prod(program.ops[program.output].shape)
+        dest = random_subset(T, 27, gen)
+        expected, split, unsplit = (torch.full((T, width), SENTINEL) for _ in range(3))
+        program_torch.run_program_torch(x, live, program, None, expected, dest[rows >= 0])
+        kernel(x, rows, program, None, split, dest, split_k=split_k)
+        kernel(x, rows, program, None, unsplit, dest, split_k=1)
+    assert_matches(split, expected)
+    torch.testing.assert_close(split, unsplit, rtol=1e-5, atol=1e-5)
+
+
 # --- what is refused ---------------------------------------------------------------------------------
 def test_malformed_programs_are_refused(gen):
     F, x = 96, randn(4, 96, gen=gen)
@@ -395,8 +448,22 @@ def sm90_job(make, F, write):
     for m, (i, _) in enumerate(plan.numbers):
         signature[f"s{m}"] = "i32" if plan.ops[i][0] == "topk_mask" else "fp32"
     constexprs = {"WRITE": write, "BLOCK_ROWS": plan.block_rows, "SCRATCH_WIDTH": plan.scratch_width}
+    if plan.split:  # as a decode step's launch splits it
+        constexprs.update(SPLIT_K=split_matmul.MAX_SPLIT, SPLIT_WIDTH=plan.split_width)
     signature.update(dict.fromkeys(constexprs, "constexpr"))
-    return str(kernel.path), signature, constexprs, plan.num_warps
+    return str(kernel.path), "program_kernel", signature, constexprs, plan.num_warps
+
+
+def partial_products_job(F, N):
+    """Compiling split_matmul's kernel as the launcher calls it for an F x N matmul, bf16 x."""
+    fn = split_matmul.partial_products_kernel
+    pointers = {"x_ptr": "*bf16", "rows_ptr": "*i32"}
+    signature = {name: pointers.get(name, "*fp32" if name.endswith("_ptr") else "i32") for name in fn.arg_names}
+    tile = program_format.dot_tile(N, 16)
+    constexprs = {"N": N, "LANES": triton.next_power_of_2(N), "PARTIAL_WIDTH": N, "TILE": tile,
+                  "CHUNK": triton.cdiv(F // split_matmul.MAX_SPLIT, tile) * tile, "BLOCK_ROWS": 16}
+    signature.update(dict.fromkeys(constexprs, "constexpr"))
+    return split_matmul.__name__, "partial_products_kernel", signature, constexprs, 4
 
 
 # Runs in a process of its own: there the generated files import as plain @triton.jit kernels
@@ -407,11 +474,14 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-for path, signature, constexprs, num_warps in json.load(sys.stdin):
-    spec = importlib.util.spec_from_file_location("generated_kernel", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    source = ASTSource(fn=module.program_kernel, signature=signature, constexprs=constexprs)
+for where, name, signature, constexprs, num_warps in json.load(sys.stdin):
+    if where.endswith(".py"):  # a generated file
+        spec = importlib.util.spec_from_file_location("generated_kernel", where)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(where)
+    source = ASTSource(fn=getattr(module, name), signature=signature, constexprs=constexprs)
     triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
 """
 
@@ -422,6 +492,7 @@ def test_kernels_compile_for_a_gpu():
     jobs = [sm90_job(make, 64 if make.__name__.startswith("sae") else 200, make in WRITES) for make in WRITES + READS]
     for name in ("gelu", "tanh", "pow 1.5", "pow 7", "pow -0.5", "logical_or", "unsqueeze", "min", "clamp high"):
         jobs.append(sm90_job(lambda F, gen: one_op(name, F, gen), 96, False))
+    jobs += [sm90_job(sae_feature_read, 4096, False), partial_products_job(4096, 64), partial_products_job(600, 40)]
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", COMPILE], input=json.dumps(jobs), env=env, capture_output=True,
                           text=True, timeout=300)

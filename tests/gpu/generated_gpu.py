@@ -18,13 +18,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the prog
 import test_generated_kernels as programs  # noqa: E402
 from kernel_checks import assert_matches  # noqa: E402
 from xmix_lens.kernels import generate_kernel, run_program, run_program_torch  # noqa: E402
+from xmix_lens.kernels.split_matmul import split_count  # noqa: E402
 from xmix_lens.lowered import TokenProgram  # noqa: E402
 
 T, R = 300, 200
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a dry run in Triton's interpreter
 
 
-def check(make, F: int, dtype: torch.dtype) -> dict:
+def check(make, F: int, dtype: torch.dtype, R: int = R) -> dict:
     gen = torch.Generator().manual_seed(F)
     program = make(F, gen)
     program = TokenProgram(program.ops, [c.to(DEVICE) for c in program.consts], program.output)
@@ -33,8 +34,9 @@ def check(make, F: int, dtype: torch.dtype) -> dict:
     rows[::7] = -1  # gated off
     rows = rows.to(DEVICE)
     kernel, _ = generate_kernel(program, F)
-    entry = {"F": F, "dtype": str(dtype), "block_rows": kernel.plan.block_rows,
-             "tl_dot": "tl.dot" in kernel.path.read_text()}
+    entry = {"F": F, "dtype": str(dtype), "rows": R, "block_rows": kernel.plan.block_rows,
+             "tl_dot": "tl.dot" in kernel.path.read_text(),
+             "split_k": split_count(F, R, x.device) if kernel.plan.split else 1}
     if make in programs.WRITES:
         expected, actual = x.clone(), x.clone()
         run_program_torch(expected, rows, program, None)
@@ -65,6 +67,8 @@ def main(out: str) -> bool:
         for F in ([64, *wide] if sae else [200, *wide]):  # 4096: row blocks of 4, narrow matmuls in tiles
             for dtype in (torch.float32, torch.bfloat16):
                 results[f"{make.__name__} F={F} {dtype}"] = check(make, F, dtype)
+                if sae and F > 64:  # a decode step's rows: its matmuls of x split the most (split_matmul.py)
+                    results[f"{make.__name__} F={F} {dtype} R=32"] = check(make, F, dtype, R=32)
     results["_device"] = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (interpreter)"
     Path(out).write_text(json.dumps(results, indent=1))
     failed = [k for k, v in results.items() if isinstance(v, dict) and not v["ok"]]

@@ -106,9 +106,9 @@ def serve_one(model) -> list[int]:
 def test_the_compiled_model_holds_only_the_sites_of_apps_built_in(served, from_config):
     """An armed hook point with no app's op when the engine is built is left out of the compiled
     model (what serves requests, and what CUDA graphs capture): a served step runs the built-in
-    apps' sites only, none in a research engine. A call of the facade runs vLLM's model
-    uncompiled, every armed site in it, so that calls hooked elsewhere, or not at all, compute
-    alike in both engines."""
+    apps' sites only, none in a research engine. A call that reads logits (the final norm's
+    output, no app's site) runs vLLM's model uncompiled, every armed site in it, so that calls
+    hooked elsewhere, or not at all, compute alike in both engines."""
     research = served["tiny-llama"]
     apps_points = {"blocks.0.hook_resid_post", "blocks.1.hook_resid_post", "blocks.1.hook_resid_pre"}
     assert sites_run(from_config, lambda: serve_one(from_config)) == apps_points

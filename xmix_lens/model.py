@@ -96,9 +96,9 @@ class HookedServedModel:
         `armed` is the set of hook points the engine can hook without a rebuild ("all": a research
         engine). torch.compile stays on unless enforce_eager, and so do CUDA graphs on a GPU: the
         compiled model holds the sites of the apps built in only, so that armed points cost served
-        requests nothing. The calls of this API (`model(...)`, run_with_hooks, run_with_cache,
-        generate) run vLLM's model uncompiled, every armed site in it: hooked or not, every call
-        computes the same way. `apps` (xmix_lens.App, or objects with `name` and `fwd_hooks`)
+        requests nothing. A call whose hooks (or logits read: `model(...)`, run_with_hooks,
+        run_with_cache) need other sites runs vLLM's model uncompiled, every armed site in it;
+        `generate` with no hooks, or with the built-in apps only, runs compiled, with CUDA graphs. `apps` (xmix_lens.App, or objects with `name` and `fwd_hooks`)
         are installed as the engine is built, so that its CUDA graphs contain them (see
         backend/vllm/control.py); so are the apps of `config`, an app config folder (`export`),
         checked against this model before the engine starts.

@@ -317,17 +317,20 @@ class SiteRuntime:
     # --- per step ------------------------------------------------------------------------------
     @property
     def needs_eager_steps(self) -> bool:
-        """Whether the coming steps must run the sites' Python (no CUDA-graph replay): they run
-        uncompiled (below), or an app installed after graph capture is selected."""
-        return self.needs_uncompiled_step or self.control.needs_eager_steps
+        """Whether the coming steps must run the sites' Python (no CUDA-graph replay): a pass's
+        host-planned ops are in flight, or an app installed after graph capture is selected."""
+        return self._host_passes() or self.control.needs_eager_steps
 
     @property
     def needs_uncompiled_step(self) -> bool:
         """Whether the coming step runs vLLM's model uncompiled, every armed site in it (sites.py):
-        a pass is in flight (a call of the facade: every call computes the same way, whether its
-        hooks are at compiled sites, elsewhere or nowhere), or a request selects an app whose
-        sites the compiled model leaves out (installed after the model was built)."""
-        return any(p.rows for p in self.passes.values()) or self.control.selects_ops_outside(self.compiled_sites)
+        a pass in flight has ops at sites the compiled model leaves out (a facade call's logits
+        read is one), or a request selects an app installed after the model was built there."""
+        compiled = self.compiled_sites
+        if any(site not in compiled for p in self.passes.values() if p.rows
+               for _, phase in p.phases() for site in phase.ops):
+            return True
+        return self.control.selects_ops_outside(compiled)
 
     def _host_passes(self) -> bool:
         return any(p.rows and (p.prefill.ops or p.decode and p.decode.ops) for p in self.passes.values())

@@ -1,12 +1,14 @@
 """GPU only (the lent H200, vllm 0.26.0): the served path with its real Triton kernels.
 
 Not collected by CI (pyproject ignores tests/gpu). Run there as:
-    XMIX_GPU_MODEL=.gpumodel XMIX_GPU_OUT=$OUT python3 -m pytest -q tests/gpu/test_served_gpu.py -o addopts=""
-The model folder holds a Llama config and a tokenizer, and weights if it has any (e.g. the seeded
-random checkpoint `tests/gpu/tp_compare.py make-model` writes); without them, vLLM's deterministic
-dummy weights, identical in both engines (so small that some hooks barely move the logits). The compiled engine (torch.compile and CUDA graphs on; steps
-with these per-call hooks run without graphs) must give what the eager engine gives, with and
-without hooks, and the hooks must run through the Triton kernels, not the torch twins.
+    python3 tests/gpu/tp_compare.py make-model .gpumodel /tmp/tpmodel &&
+    XMIX_GPU_MODEL=/tmp/tpmodel XMIX_GPU_OUT=$OUT python3 -m pytest -q tests/gpu/test_served_gpu.py -o addopts=""
+The model folder holds a Llama config and a tokenizer, and weights: the seeded random checkpoint
+that `make-model` writes. (Without weights vLLM's dummy weights are so small that some hooks move
+the logits by nothing in bf16, and the test fails on them: 2026-12-01.) The compiled engine
+(torch.compile and CUDA graphs on; steps with these per-call hooks run vLLM's model uncompiled,
+without graphs: sites.py) must give what the eager engine gives, with and without hooks, and the
+hooks must run through the Triton kernels, not the torch twins.
 Stalled on its first pass on 2026-11-29 (CUDA graphs were off then); ran through on 2026-11-30.
 """
 import os

@@ -389,7 +389,7 @@ def test_split_matmuls_match_the_twin(make, split_k, gen):
     rows = random_subset(T, 27, gen)
     rows[5] = -1
     live = rows[rows >= 0]
-    if program.ops[program.output].shape == (F,) and make is sae_clamp:
+    if make is sae_clamp:  # the write; the others read
         expected, split, unsplit = x.clone(), x.clone(), x.clone()
         program_torch.run_program_torch(expected, live, program, None)
         kernel(split, rows, program, None, split_k=split_k)

@@ -131,6 +131,29 @@ def test_the_compiled_model_holds_only_the_sites_of_apps_built_in(served, from_c
     assert not torch.equal(out["research"]["hooked"], out["research"]["plain"])  # the hook did something
 
 
+def test_uncompiled_steps_run_vllms_platform_kernels(served):
+    """Once the engine is up, vLLM's custom ops that the compiled model fused from their torch-native
+    forwards run their platform kernels in uncompiled steps (a call's hooks), as an enforce_eager
+    engine runs them; the hooked call computes what it computed with the native forwards."""
+    from vllm.model_executor.custom_op import CustomOp
+
+    model = served["tiny-llama"]
+    vllm_model = model.engine.runtime.model_runner.model
+    ops = [m for m in vllm_model.modules() if isinstance(m, CustomOp) and type(m).forward_cpu is not CustomOp.forward_cpu]
+    assert ops, "the tiny Llama has custom ops with CPU kernels (SiluAndMul)"
+    assert all(m._forward_method == m.forward_cpu for m in ops)
+    hooks = [("blocks.0.hook_mlp_out", lambda act, hook: act * 0.5)]
+    platform = model.run_with_hooks(PROMPTS, fwd_hooks=hooks)
+    for m in ops:
+        m._forward_method = m.forward_native
+    try:
+        native = model.run_with_hooks(PROMPTS, fwd_hooks=hooks)
+    finally:
+        for m in ops:
+            m._forward_method = m.forward_cpu
+    torch.testing.assert_close(platform, native, rtol=1e-4, atol=1e-4)
+
+
 def test_the_folder_holds_json_and_safetensors_only(exported):
     _, folder = exported
     assert sorted(p.name for p in folder.iterdir()) == ["gate.safetensors", "manifest.json", "probe.safetensors",

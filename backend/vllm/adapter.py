@@ -50,6 +50,7 @@ def bind(llm):
         from .remote import RemoteRuntime
         llm.collective_rpc(bind_worker)
         return None, RemoteRuntime(llm)
+    platform_kernels_when_uncompiled(runner.model)
     return runner, bind_runner(runner)
 
 
@@ -99,7 +100,32 @@ def bind_runner(runner, runtime=None):
 
 def bind_worker(worker) -> None:
     """Run in each worker of a TP engine (by collective RPC)."""
+    platform_kernels_when_uncompiled(worker.model_runner.model)
     bind_runner(worker.model_runner)
+
+
+def platform_kernels_when_uncompiled(model) -> list[str]:
+    """vLLM's custom ops (RMSNorm, SiluAndMul, the rotary embedding) run their platform kernels
+    (`forward_cuda`, `forward_cpu`) in the steps that run the model uncompiled, as an enforce_eager
+    engine runs them, instead of their torch-native forward: torch.compile takes the native forward
+    to fuse it, and run eagerly it is a string of small kernels. Called once the engine is up, when
+    the compiled model has been traced and its CUDA graphs captured: the compiled code keeps what it
+    traced (vLLM runs its compiled model without Dynamo's guards). Ops without a platform kernel of
+    their own, and those already on it (an enforce_eager engine's), are left as they are. Returns the
+    switched ops' class names."""
+    from vllm.model_executor.custom_op import CustomOp
+    from vllm.platforms import current_platform
+
+    platform = "forward_cpu" if current_platform.is_cpu() else "forward_cuda"
+    switched = []
+    for module in model.modules():
+        if not isinstance(module, CustomOp) or getattr(type(module), platform) is getattr(CustomOp, platform):
+            continue
+        kernel = getattr(module, platform)
+        if module._forward_method != kernel:
+            module._forward_method = kernel
+            switched.append(type(module).__name__)
+    return switched
 
 
 def _follow_request_choices(runner, runtime) -> None:

@@ -12,7 +12,14 @@ TransformerBridge, compatibility mode without weight processing: the weights vLL
 batches of --tl-batch, with its KV cache for generate. Both run under torch.no_grad (as research
 code does; TransformerLens otherwise records autograd graphs). Each task runs once to warm up,
 then --repeats times, alternating the two. The ratio is TransformerLens's seconds over xmix-lens's.
+The same engine's vLLM, without hooks (`LLM.generate` of the same prompts: one token for the forward
+tasks, the new tokens for generate), is timed beside them as the floor a hooked call could reach.
+With --profile, each task runs once more on xmix-lens under cProfile (the host functions with the
+most own time) and, on a GPU, under torch's profiler (the device's kernel time and launches against
+the call's wall time: whether the call waits on the host or on the GPU).
 """
+import cProfile
+import pstats
 import argparse
 import importlib.metadata
 import statistics
@@ -58,6 +65,51 @@ def tasks(size: dict, n_layers: int):
     return cached, {"cache": cache, "steer": steer, "generate": generate}
 
 
+def native_vllm(model, tokens: torch.Tensor, max_tokens: int) -> int:
+    """The engine's vLLM without hooks over the same prompts (CUDA graphs, the compiled model):
+    the tokens it generated."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
+    outs = model.engine.llm.generate([TokensPrompt(prompt_token_ids=row.tolist()) for row in tokens], params,
+                                     use_tqdm=False)
+    return sum(len(o.outputs[0].token_ids) for o in outs)
+
+
+def host_profile(run, top: int = 25) -> list[dict]:
+    """The functions with the most own time in one run (cProfile)."""
+    profiler = cProfile.Profile()
+    profiler.runcall(run)
+    stats = pstats.Stats(profiler).sort_stats("tottime")
+    rows = []
+    for (file, line, name), (_, calls, own, cumulative, _) in list(stats.stats.items()):
+        rows.append({"function": f"{file.rsplit('site-packages/', 1)[-1]}:{line}:{name}", "calls": calls,
+                     "own_s": round(own, 4), "cumulative_s": round(cumulative, 4)})
+    return sorted(rows, key=lambda r: -r["own_s"])[:top]
+
+
+def device_profile(run) -> dict:
+    """One run under torch's profiler: its wall time, and the CUDA kernels' summed time and launches."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    by_name: dict[str, list] = {}
+    for e in kernels:
+        by_name.setdefault(e.name, [0, 0.0])
+        by_name[e.name][0] += 1
+        by_name[e.name][1] += e.device_time_total
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:15]
+    return {"wall_s": wall, "kernel_s": sum(e.device_time_total for e in kernels) / 1e6, "launches": len(kernels),
+            "top_kernels": [{"name": n[:120], "launches": c, "s": t / 1e6} for n, (c, t) in top]}
+
+
 def batched(run, tokens, batch: int) -> list:
     return [run(tokens[i:i + batch]) for i in range(0, len(tokens), batch)]
 
@@ -75,6 +127,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--tl-batch", type=int, default=64, help="TransformerLens's batch size")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.4)
+    parser.add_argument("--profile", action="store_true", help="profile each task on xmix-lens (host, and device)")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     size = SIZES["toy" if args.toy else "full"]
@@ -117,13 +170,15 @@ def main(argv=None) -> dict:
               "engine_build_s": build, "tasks": {}}
     for name, (on_ours, on_tl) in calls.items():
         t = inputs[name]
+        new_tokens = size["new"] if name == "generate" else 1
+        on_native = lambda t: native_vllm(ours, t, new_tokens)  # noqa: E731
         warm = t[: max(2, len(t) // 10)]
         with torch.no_grad():
-            on_ours(warm), on_tl(warm)
-        seconds = {"xmix_lens": [], "transformer_lens": []}
+            on_ours(warm), on_tl(warm), on_native(warm)
+        seconds = {"xmix_lens": [], "transformer_lens": [], "vllm_native": []}
         answers = {}
         for _ in range(args.repeats):
-            for who, run in (("xmix_lens", on_ours), ("transformer_lens", on_tl)):
+            for who, run in (("xmix_lens", on_ours), ("transformer_lens", on_tl), ("vllm_native", on_native)):
                 if device == "cuda":
                     torch.cuda.synchronize()
                 start = time.perf_counter()
@@ -132,11 +187,18 @@ def main(argv=None) -> dict:
                 if device == "cuda":
                     torch.cuda.synchronize()
                 seconds[who].append(time.perf_counter() - start)
-        ours_s, tl_s = statistics.median(seconds["xmix_lens"]), statistics.median(seconds["transformer_lens"])
+        ours_s, tl_s, native_s = (statistics.median(seconds[who]) for who in ("xmix_lens", "transformer_lens",
+                                                                               "vllm_native"))
         result["tasks"][name] = {"seconds": seconds, "prompts": len(t), "prompts_per_s_xmix": len(t) / ours_s,
                                  "prompts_per_s_tl": len(t) / tl_s, "speedup_vs_tl": tl_s / ours_s,
-                                 "answer": answers}
-        print(f"{name}: xmix-lens {ours_s:.2f} s, TransformerLens {tl_s:.2f} s: {tl_s / ours_s:.1f}x", flush=True)
+                                 "native_vllm_over_xmix": native_s / ours_s, "answer": answers}
+        if args.profile:
+            with torch.no_grad():
+                result["tasks"][name]["host_profile"] = host_profile(lambda: on_ours(t))
+                if device == "cuda":
+                    result["tasks"][name]["device_profile"] = device_profile(lambda: on_ours(t))
+        print(f"{name}: xmix-lens {ours_s:.2f} s, TransformerLens {tl_s:.2f} s: {tl_s / ours_s:.1f}x; "
+              f"vLLM without hooks {native_s:.2f} s", flush=True)
     write_result(result, args.out)
     return result
 

@@ -93,11 +93,14 @@ def test_research_harness_runs_each_task_on_both_and_they_agree(tmp_path):
     from bench import research
 
     out = tmp_path / "research.json"
-    research.main(["--model", str(tiny_llama()), "--toy", "--repeats", "1", "--tl-batch", "4", "--out", str(out)])
+    research.main(["--model", str(tiny_llama()), "--toy", "--repeats", "1", "--tl-batch", "4", "--profile",
+                   "--out", str(out)])
     result = json.loads(out.read_text())
     assert set(result["tasks"]) == {"cache", "steer", "generate"}
     for name, task in result["tasks"].items():
         assert task["speedup_vs_tl"] > 0 and len(task["seconds"]["xmix_lens"]) == 1, name
+        assert task["native_vllm_over_xmix"] > 0 and len(task["seconds"]["vllm_native"]) == 1, name
+        assert any("xmix_lens" in row["function"] or "backend" in row["function"] for row in task["host_profile"])
     cache, steer, generate = (result["tasks"][n]["answer"] for n in ("cache", "steer", "generate"))
     assert cache["xmix_lens"] == pytest.approx(cache["transformer_lens"], rel=1e-4)
     assert steer["xmix_lens"] == pytest.approx(steer["transformer_lens"], rel=1e-4)

@@ -97,7 +97,7 @@ class HookedServedModel:
         engine). torch.compile stays on unless enforce_eager, and so do CUDA graphs on a GPU: the
         compiled model holds the sites of the apps built in only, so that armed points cost served
         requests nothing. A call whose hooks (or logits read: `model(...)`, run_with_hooks,
-        run_with_cache) need other sites runs vLLM's model uncompiled, every armed site in it;
+        run_with_cache) need other sites runs vLLM's model uncompiled, with the sites of its ops;
         `generate` with no hooks, or with the built-in apps only, runs compiled, with CUDA graphs. `apps` (xmix_lens.App, or objects with `name` and `fwd_hooks`)
         are installed as the engine is built, so that its CUDA graphs contain them (see
         backend/vllm/control.py); so are the apps of `config`, an app config folder (`export`),

@@ -252,6 +252,7 @@ class ControlPlane:
         self._layout: _Layout | None = None
         # the last step's requests and their masks and numbers, reused while neither changes
         self._choices_version = 0
+        self._selected_sites: tuple[int, frozenset] | None = None  # (choices version, selected_sites())
         self._last_choices: tuple | None = None
         # host time in prepare_step (a bench field: the control plane's work per step)
         self.host_seconds, self.host_steps = 0.0, 0
@@ -449,9 +450,17 @@ class ControlPlane:
         """Whether a request in flight uses an op that no captured CUDA graph contains."""
         return self._selects({o.app for o in self.ops if not o.captured})
 
-    def selects_ops_outside(self, sites: set[int]) -> bool:
-        """Whether a request in flight uses an op at a site not in `sites`."""
-        return self._selects({o.app for site, ops in self.by_site.items() if site not in sites for o in ops})
+    def selected_sites(self) -> frozenset[int]:
+        """The sites of the ops that a request in flight (or the defaults) selects."""
+        cached = self._selected_sites
+        if cached is None or cached[0] != self._choices_version:
+            chosen = self._default_bits
+            for bits in self._request_bits.values():
+                chosen |= bits
+            sites = frozenset(site for site, ops in self.by_site.items()
+                              if any(not o.retired and chosen >> self._bit[o.app] & 1 for o in ops))
+            cached = self._selected_sites = (self._choices_version, sites)
+        return cached[1]
 
     def _selects(self, apps: set[str]) -> bool:
         return bool(apps) and any(names & apps for names in [*self.selected.values(), self.defaults])

@@ -24,7 +24,7 @@ from xmix_lens.hook_points import feature_shape, hook_names
 from . import adapter
 from .runtime import SiteRuntime
 from .sharding import is_sharded
-from .sites import install_sites
+from .sites import ActiveSites, install_sites
 
 logger = init_logger("vllm.xmix_lens")  # under "vllm": vLLM's log handler prints it with its own lines
 
@@ -83,12 +83,13 @@ class _Instrumented:
         apps = configured_apps(vllm_config)
         compiled = {point for _, ops, _ in apps for point in ops}  # the sites CUDA graphs need (sites.py)
         armed = armed_sites(vllm_config, self.family, n_layers) | compiled
-        names = install_sites(self, self.family, n_layers, armed, compiled)
+        active = ActiveSites()
+        names = install_sites(self, self.family, n_layers, armed, compiled, active)
         world = get_tensor_model_parallel_world_size()
         self.xmix_runtime = SiteRuntime(self.family, names, armed, torch.device(vllm_config.device_config.device),
                                         _max_step_tokens(vllm_config), apps, get_tensor_model_parallel_rank(),
                                         world, _shard_widths(self.family, names, hf_config, world),
-                                        vllm_config.scheduler_config.max_num_seqs, compiled)
+                                        vllm_config.scheduler_config.max_num_seqs, compiled, active)
         adapter.register_site_runtime(vllm_config, self.xmix_runtime)
         runner, worker = adapter.building_model()
         if runner is not None:

@@ -25,6 +25,7 @@ from xmix_lens.request_choice import chosen_apps, chosen_values, reads_wanted
 from ..executor import Executor
 from . import adapter, sharding
 from .control import AppInfo, ControlPlane
+from .sites import ActiveSites
 
 
 READS_KEPT = 1024  # finished served requests whose reads wait for the API server's fetch; older ones are dropped
@@ -117,11 +118,13 @@ class SiteRuntime:
     def __init__(self, family: str, site_names: list[str], armed: set[str], device: torch.device,
                  max_tokens: int, apps: list = (), tp_rank: int = 0, tp_world: int = 1,
                  shard_widths: dict[str, int | None] | None = None, max_requests: int = 256,
-                 compiled: set[str] = frozenset()) -> None:
+                 compiled: set[str] = frozenset(), active_sites: ActiveSites | None = None) -> None:
         self.family, self.site_names, self.armed = family, site_names, armed
         self.site_id = {name: i for i, name in enumerate(site_names)}
         # the armed sites in the compiled model (sites.py): a step that needs any other runs uncompiled
         self.compiled_sites = {self.site_id[name] for name in compiled}
+        # the sites with ops in the coming step, set before each forward: those an uncompiled step runs
+        self.active_sites = active_sites or ActiveSites()
         self.model_runner = None  # bound by the facade: where the step's request order comes from
         self.device = device  # the engine's device, where lowered ops' tensors go
         # tensor parallelism: this worker's rank, and the whole width of each sharded site (None:
@@ -323,14 +326,16 @@ class SiteRuntime:
 
     @property
     def needs_uncompiled_step(self) -> bool:
-        """Whether the coming step runs vLLM's model uncompiled, every armed site in it (sites.py):
-        a pass in flight has ops at sites the compiled model leaves out (a facade call's logits
-        read is one), or a request selects an app installed after the model was built there."""
-        compiled = self.compiled_sites
-        if any(site not in compiled for p in self.passes.values() if p.rows
-               for _, phase in p.phases() for site in phase.ops):
-            return True
-        return self.control.selects_ops_outside(compiled)
+        """Whether the coming step runs vLLM's model uncompiled (sites.py): it has ops at sites the
+        compiled model leaves out (a pass's in flight, a facade call's logits read among them, or
+        those of an app installed after the model was built that a request selects)."""
+        return not self.active_sites.ids <= self.compiled_sites
+
+    def _active_site_ids(self) -> frozenset[int]:
+        """The sites with ops in the coming step: its passes', and the resident ops requests select."""
+        passes = {site for p in self.passes.values() if p.rows for _, phase in p.phases() for site in phase.ops}
+        selected = self.control.selected_sites()
+        return selected.union(passes) if passes else selected
 
     def _host_passes(self) -> bool:
         return any(p.rows and (p.prefill.ops or p.decode and p.decode.ops) for p in self.passes.values())
@@ -338,6 +343,7 @@ class SiteRuntime:
     def begin_step(self, positions: torch.Tensor) -> None:
         """Called by the model's forward (not replayed by CUDA graphs: eager and compiled steps only)."""
         self.step = None
+        self.active_sites.ids = self._active_site_ids()
         host_passes = self._host_passes()
         if not host_passes and (self.runner_prepares_steps or not self.control.ops):
             return

@@ -7,11 +7,12 @@ contains them. Only armed sites are installed: an unarmed hook point costs nothi
 
 Two views of the armed sites (`SiteIds`): the compiled model, which CUDA graphs capture, holds
 only the *compiled* sites, those with an app's op when the model is built; the model run
-uncompiled (a step that needs other armed sites: a call's hooks, an app installed later) holds
-every armed site. So an armed site that no app uses costs nothing in the steps that replay graphs
-(as it would as an opaque op: no kernel of its own, but a barrier to Inductor's fusions, and an
-unfused residual add + norm), and vLLM's fused residual add + norm stays fused unless a residual
-site around it is compiled.
+uncompiled (a step that needs other armed sites: a call's hooks, an app installed later) runs
+the *active* ones, the armed sites with an op in that step (`ActiveSites`, set by the site runtime
+before each forward). So an armed site that no app uses costs nothing in the steps that replay
+graphs (as it would as an opaque op: no kernel of its own, but a barrier to Inductor's fusions,
+and an unfused residual add + norm), nor in a call hooked elsewhere, and vLLM's fused residual
+add + norm stays fused unless a residual site around it runs.
 
 Each family is a table: (submodule path, placement, hook names). Placements:
   "after"         sites on the module's output (the tensor; for vLLM's linear layers, which
@@ -118,16 +119,27 @@ def site_table(family: str, n_layers: int) -> list[tuple[str, str, dict[str, lis
     return table
 
 
+class ActiveSites:
+    """The site ids with ops in the coming step, which the site runtime sets before each forward:
+    the sites a step run uncompiled runs (of the armed ones there)."""
+
+    def __init__(self) -> None:
+        self.ids: frozenset[int] = frozenset()
+
+
 @dataclass(frozen=True)
 class SiteIds:
     """The sites of one place in a module: every armed one, and those compiled in."""
 
     armed: tuple[int, ...]
     compiled: tuple[int, ...]
+    active: ActiveSites
 
     def now(self) -> tuple[int, ...]:
         # Dynamo reads is_compiling() as True while it traces: the compiled model's view
-        return self.compiled if torch.compiler.is_compiling() else self.armed
+        if torch.compiler.is_compiling():
+            return self.compiled
+        return tuple(i for i in self.armed if i in self.active.ids)
 
 
 def _run_sites(x: torch.Tensor, site_ids: SiteIds) -> None:
@@ -232,9 +244,11 @@ def _wrap_attention(attention: nn.Module, q_ids: SiteIds, k_ids: SiteIds) -> Non
     attention.forward = forward
 
 
-def install_sites(model: nn.Module, family: str, n_layers: int, armed: set[str], compiled: set[str]) -> list[str]:
-    """Wrap the submodules of a freshly built vLLM model so that the armed hook points call sites,
-    the `compiled` ones (a subset) also in the compiled model.
+def install_sites(model: nn.Module, family: str, n_layers: int, armed: set[str], compiled: set[str],
+                  active: ActiveSites) -> list[str]:
+    """Wrap the submodules of a freshly built vLLM model so that the armed hook points call sites:
+    the `compiled` ones (a subset) in the compiled model, the `active` ones (of the armed) in a step
+    that runs the model uncompiled.
 
     Returns every hook point name of the family in firing order; site id = index in that list.
     """
@@ -244,7 +258,7 @@ def install_sites(model: nn.Module, family: str, n_layers: int, armed: set[str],
 
     def ids(group: list[str]) -> SiteIds:
         return SiteIds(tuple(site_id[n] for n in group if n in armed),
-                       tuple(site_id[n] for n in group if n in armed and n in compiled))
+                       tuple(site_id[n] for n in group if n in armed and n in compiled), active)
 
     for path, placement, groups in table:
         module = model.get_submodule(path)

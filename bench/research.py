@@ -71,7 +71,8 @@ def native_vllm(model, tokens: torch.Tensor, max_tokens: int) -> int:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False,
+                            skip_clone=True)  # as the facade's calls send them
     outs = model.engine.llm.generate([TokensPrompt(prompt_token_ids=row.tolist()) for row in tokens], params,
                                      use_tqdm=False)
     return sum(len(o.outputs[0].token_ids) for o in outs)

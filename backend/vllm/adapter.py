@@ -1,6 +1,7 @@
 """Everything that depends on vLLM's internals and versions (CPU 0.27.1, GPU 0.26.0) lives here."""
 import dataclasses
 import sys
+from types import SimpleNamespace
 
 import torch
 
@@ -111,11 +112,18 @@ def platform_kernels_when_uncompiled(model) -> list[str]:
     to fuse it, and run eagerly it is a string of small kernels. Called once the engine is up, when
     the compiled model has been traced and its CUDA graphs captured: the compiled code keeps what it
     traced (vLLM runs its compiled model without Dynamo's guards). Ops without a platform kernel of
-    their own, and those already on it (an enforce_eager engine's), are left as they are. Returns the
-    switched ops' class names."""
+    their own, and those already on it (an enforce_eager engine's), are left as they are. vLLM 0.26's
+    RMSNorm calls a vLLM IR op (`vllm.ir.ops.rms_norm`, `fused_add_rms_norm`), whose implementation a
+    process-wide priority chooses: the native one while Inductor compiles (it lowers the op then, into
+    the compiled code), the platform's kernel otherwise; it is set here as an uncompiled engine sets it
+    (each engine's workers set their own again before compiling). Returns the switched ops' class names."""
+    from vllm.config.compilation import CompilationMode
     from vllm.model_executor.custom_op import CustomOp
     from vllm.platforms import current_platform
 
+    if hasattr(current_platform, "get_default_ir_op_priority"):
+        uncompiled = SimpleNamespace(backend="inductor", mode=CompilationMode.NONE)
+        current_platform.get_default_ir_op_priority(SimpleNamespace(compilation_config=uncompiled)).set_default()
     platform = "forward_cpu" if current_platform.is_cpu() else "forward_cuda"
     switched = []
     for module in model.modules():

@@ -17,6 +17,7 @@ calls" directly (one process) or as collective RPCs (remote.py), and rank 0 answ
 """
 from dataclasses import dataclass, field, replace
 
+import numpy as np
 import torch
 
 from xmix_lens.lowered import AffineWrite, GeneratedRead, GeneratedWrite, LoweredOp, Read, to_device
@@ -146,6 +147,8 @@ class SiteRuntime:
         for name, ops_by_hook_point, params in apps:
             self.install_app(name, ops_by_hook_point, params)
         self.passes: dict[int, Pass] = {}
+        # vLLM request id -> (pass id, row, prompt length, pad offset) of the passes' requests
+        self.routed: dict[str, tuple[int, int, int, int]] = {}
         self.step: StepTokens | None = None
         self._next_pass_id = 0
         self._pending: list[PendingRead] = []
@@ -249,7 +252,9 @@ class SiteRuntime:
         """Where each vLLM request id belongs, (pass id, row), and the installed apps it selects."""
         self.control.check_installed({name for names in selections.values() for name in names})
         for req_id, (pass_id, row) in rows.items():
-            self.passes[pass_id].rows[req_id] = row
+            p = self.passes[pass_id]
+            p.rows[req_id] = row
+            self.routed[req_id] = (p.pass_id, row, p.prompt_lens[row], p.pad_offsets[row])
         for req_id, names in selections.items():
             self.control.select(req_id, names)
 
@@ -261,6 +266,8 @@ class SiteRuntime:
         for pass_id in pass_ids:
             p = self.passes.pop(pass_id)
             in_order = sorted(p.rows, key=p.rows.get)
+            for req_id in in_order:
+                self.routed.pop(req_id, None)
             nonfinite = {self.site_names[site]: rows.nonzero().flatten().tolist()
                          for site, rows in p.nonfinite.items() if bool(rows.any())}
             finished.append(PassResults({key: p.result(key) for key in p.reads},
@@ -354,17 +361,14 @@ class SiteRuntime:
             self.control.prepare_step(req_ids, query_start, positions.shape[0], positions)
         if not host_passes:
             return
+        # each request's (pass id, row, prompt length, pad offset), repeated over its tokens
+        nobody = (-1, 0, 0, 0)
+        per_request = np.array([self.routed.get(req_id, nobody) for req_id in req_ids], dtype=np.int64)
+        per_token = np.repeat(per_request, np.diff(np.asarray(query_start)), axis=0)
         n_tokens = positions.shape[0]
-        pass_id = torch.full((n_tokens,), -1, dtype=torch.long)
-        row = torch.zeros(n_tokens, dtype=torch.long)
-        prompt_len = torch.zeros(n_tokens, dtype=torch.long)
-        pad = torch.zeros(n_tokens, dtype=torch.long)
-        for i, req_id in enumerate(req_ids):
-            for p in self.passes.values():
-                if req_id in p.rows:
-                    r, lo, hi = p.rows[req_id], query_start[i], query_start[i + 1]
-                    pass_id[lo:hi], row[lo:hi] = p.pass_id, r
-                    prompt_len[lo:hi], pad[lo:hi] = p.prompt_lens[r], p.pad_offsets[r]
+        if len(per_token) < n_tokens:  # a padded batch's trailing tokens belong to no request
+            per_token = np.concatenate([per_token, np.tile(np.array(nobody), (n_tokens - len(per_token), 1))])
+        pass_id, row, prompt_len, pad = torch.from_numpy(np.ascontiguousarray(per_token.T))
         positions = positions.to("cpu", torch.long)
         decode = positions >= prompt_len
         self.set_step(StepTokens(pass_id, row, decode, torch.where(decode, 0, positions + pad)))

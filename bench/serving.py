@@ -244,14 +244,28 @@ def summarise(runs: dict) -> dict:
 
 
 PROFILED_PROMPT_LEN, PROFILED_STEPS = 16, 4
-XMIX_KERNELS = ("program_kernel", "affine_write_kernel", "project_read_kernel", "gather_rows")
+# every Triton kernel in kernels/ (tests/test_bench.py checks the list against them)
+XMIX_KERNELS = ("affine_write_kernel", "affine_write_row_kernel", "gather_rows_kernel", "partial_products_kernel",
+                "program_kernel", "project_read_kernel", "project_read_row_kernel")
+
+
+def idle_time(intervals: list[tuple[float, float]]) -> float:
+    """The time between the first start and the last end that no interval covers."""
+    idle, reached = 0.0, None
+    for start, end in sorted(intervals):
+        if reached is not None and start > reached:
+            idle += start - reached
+        reached = end if reached is None else max(reached, end)
+    return idle
 
 
 def decode_step_profile(llm, prompts, control=None) -> dict:
     """A profiled, graph-replayed decode step: per CUDA kernel name, launches and device time (the
     step's total and xmix-lens's share); on the host, the step's wall time and the CUDA runtime
     calls by name (a long cudaMemcpyAsync or a synchronize is the host waiting for the GPU), also
-    those made inside the control plane's `prepare_step` (`control`: the engine's)."""
+    those made inside the control plane's `prepare_step` (`control`: the engine's); and the GPU's
+    idle time a step (`gpu_idle_us`: no kernel or copy running), which host work that vLLM's
+    scheduling does not overlap with the GPU adds to.""" 
     from torch.profiler import ProfilerActivity, profile, record_function
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -300,8 +314,12 @@ def decode_step_profile(llm, prompts, control=None) -> dict:
                 c["us"] += e.time_range.elapsed_us() / PROFILED_STEPS
                 c["max_us"] = max(c["max_us"], e.time_range.elapsed_us())
     total = sum(k["us"] for k in kernels.values())
-    ours = sum(k["us"] for name, k in kernels.items() if name.startswith(XMIX_KERNELS))
+    ours = sum(k["us"] for name, k in kernels.items() if name in XMIX_KERNELS)
     host = {"step_wall_us": 1e6 * wall / PROFILED_STEPS, "runtime_calls": calls}
+    if gpu:  # whether the host keeps the GPU waiting: its idle time between the window's first and last kernel
+        busy = [(e.time_range.start, e.time_range.end) for e in events
+                if e.device_type.name == "CUDA" and e.name != "xmix.prepare_step"]
+        host["gpu_idle_us"] = idle_time(busy) / PROFILED_STEPS
     if windows:
         host["prepare_step_us"] = sum(b - a for a, b in windows) / PROFILED_STEPS
         host["runtime_calls_in_prepare_step"] = in_prepare

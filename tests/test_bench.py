@@ -70,6 +70,27 @@ def test_harness_runs_every_mode_and_the_modes_do_what_they_claim(tmp_path):
     assert result["command"].startswith("python -m bench.serving")
 
 
+def test_the_profile_counts_every_kernel_of_xmix_lens():
+    """The decode-step profile's share of xmix-lens's kernels names every Triton kernel in kernels/
+    (it once missed three of them); its GPU idle time is the gaps between kernels, overlaps merged."""
+    import ast
+    from pathlib import Path
+
+    from bench.serving import XMIX_KERNELS, idle_time
+
+    kernels = Path(__file__).parents[1] / "kernels"
+    jitted = set()
+    for path in kernels.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef) and any(
+                    ast.unparse(d).split("(")[0] in ("triton.jit", "jit") for d in node.decorator_list):
+                jitted.add(node.name)
+    assert '"def program_kernel(",' in (kernels / "program_source.py").read_text()  # generated source's kernel
+    assert jitted and set(XMIX_KERNELS) == jitted | {"program_kernel"}
+    assert idle_time([(5.0, 6.0), (0.0, 2.0), (1.0, 3.0), (2.5, 2.7)]) == 2.0  # 3..5 only
+    assert idle_time([]) == 0.0
+
+
 def test_evaluation_harness_runs_every_mode_and_eval_serves_what_native_does(tmp_path):
     """bench/evaluation.py at toy size: rows/s of each mode, eval without apps generating exactly
     native vLLM's tokens, and the steering app changing them."""

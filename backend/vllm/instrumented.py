@@ -89,7 +89,8 @@ class _Instrumented:
         self.xmix_runtime = SiteRuntime(self.family, names, armed, torch.device(vllm_config.device_config.device),
                                         _max_step_tokens(vllm_config), apps, get_tensor_model_parallel_rank(),
                                         world, _shard_widths(self.family, names, hf_config, world),
-                                        vllm_config.scheduler_config.max_num_seqs, compiled, active)
+                                        vllm_config.scheduler_config.max_num_seqs, compiled, active,
+                                        vllm_config.model_config.dtype)
         adapter.register_site_runtime(vllm_config, self.xmix_runtime)
         runner, worker = adapter.building_model()
         if runner is not None:

@@ -112,20 +112,24 @@ class PendingRead:
     op: LoweredOp
     rows: torch.Tensor  # [n] long, on the host: each value's row of the pass
     positions: torch.Tensor  # [n] long, on the host: its padded position
-    values: torch.Tensor  # [n, width] fp32 on the host
+    values: torch.Tensor  # [n, width] in the read dtype, on the host
 
 
 class SiteRuntime:
     def __init__(self, family: str, site_names: list[str], armed: set[str], device: torch.device,
                  max_tokens: int, apps: list = (), tp_rank: int = 0, tp_world: int = 1,
                  shard_widths: dict[str, int | None] | None = None, max_requests: int = 256,
-                 compiled: set[str] = frozenset(), active_sites: ActiveSites | None = None) -> None:
+                 compiled: set[str] = frozenset(), active_sites: ActiveSites | None = None,
+                 read_dtype: torch.dtype = torch.float32) -> None:
         self.family, self.site_names, self.armed = family, site_names, armed
         self.site_id = {name: i for i, name in enumerate(site_names)}
         # the armed sites in the compiled model (sites.py): a step that needs any other runs uncompiled
         self.compiled_sites = {self.site_id[name] for name in compiled}
         # the sites with ops in the coming step, set before each forward: those an uncompiled step runs
         self.active_sites = active_sites or ActiveSites()
+        # what a pass's reads are kept in on the host: the model's dtype, which the facade gives
+        # every value it returns (a site's values are exact in it; half the bytes of fp32 in bf16)
+        self.read_dtype = read_dtype
         self.model_runner = None  # bound by the facade: where the step's request order comes from
         self.device = device  # the engine's device, where lowered ops' tensors go
         # tensor parallelism: this worker's rank, and the whole width of each sharded site (None:
@@ -319,7 +323,7 @@ class SiteRuntime:
                         p.nonfinite[site] = torch.zeros(p.batch, dtype=torch.int32, device=self.device)
                     if isinstance(op, (Read, GeneratedRead)) and op.store is None and self.tp_rank == 0:
                         lead = (p.batch, phase.padded_len) if op.keeps_pos else (p.batch,)
-                        p.reads[op.key] = torch.zeros(*lead, *op.feature_shape, dtype=torch.float32)
+                        p.reads[op.key] = torch.zeros(*lead, *op.feature_shape, dtype=self.read_dtype)
                         p.read_ops[op.key] = op
         self.passes[p.pass_id] = p
         return p
@@ -468,6 +472,7 @@ class SiteRuntime:
         if self.tp_rank != 0:  # every rank holds the value; rank 0 alone sends it home
             return
         # the messenger: a read goes to the host, without waiting (put into the pass's result later)
+        values = values.to(self.read_dtype)
         home = torch.empty(values.shape, dtype=values.dtype, device="cpu", pin_memory=self._reads_home is not None)
         home.copy_(values, non_blocking=True)
         if self._reads_home is not None:

@@ -130,6 +130,23 @@ def test_the_compiled_model_holds_only_the_sites_of_apps_built_in(served, from_c
     assert not torch.equal(out["research"]["hooked"], out["research"]["plain"])  # the hook did something
 
 
+def test_reads_leave_the_logits_as_they_are_in_bf16():
+    """A call that only reads (run_with_cache) gives model()'s logits bit for bit in bf16, where an
+    unfused residual add + norm rounds the sum differently: the norms its reads sit at stay vLLM's
+    own (sites.py). A write at the same point does change them."""
+    model = HookedServedModel.from_pretrained(str(tiny_llama()), dtype="bfloat16", max_model_len=128)
+    try:
+        tokens = model.to_tokens(PROMPTS)
+        points = ["blocks.0.hook_resid_post", "blocks.1.ln2.hook_scale", "blocks.1.ln1.hook_normalized"]
+        logits, cache = model.run_with_cache(tokens, names_filter=points)
+        assert torch.equal(logits, model(tokens))
+        assert all(cache[p].dtype == torch.bfloat16 for p in points)
+        steered = model.run_with_hooks(tokens, fwd_hooks=[(points[0], lambda act, hook: act + 0.5)])
+        assert not torch.equal(steered, logits)
+    finally:
+        model.shutdown()
+
+
 def test_uncompiled_steps_run_vllms_platform_kernels(served):
     """Once the engine is up, vLLM's custom ops that the compiled model fused from their torch-native
     forwards run their platform kernels in uncompiled steps (a call's hooks), as an enforce_eager

@@ -252,7 +252,7 @@ class ControlPlane:
         self._layout: _Layout | None = None
         # the last step's requests and their masks and numbers, reused while neither changes
         self._choices_version = 0
-        self._selected_sites: tuple[int, frozenset] | None = None  # (choices version, selected_sites())
+        self._selected_sites: tuple | None = None  # (choices version, *selected_sites())
         self._last_choices: tuple | None = None
         # host time in prepare_step (a bench field: the control plane's work per step)
         self.host_seconds, self.host_steps = 0.0, 0
@@ -450,17 +450,20 @@ class ControlPlane:
         """Whether a request in flight uses an op that no captured CUDA graph contains."""
         return self._selects({o.app for o in self.ops if not o.captured})
 
-    def selected_sites(self) -> frozenset[int]:
-        """The sites of the ops that a request in flight (or the defaults) selects."""
+    def selected_sites(self) -> tuple[frozenset[int], frozenset[int]]:
+        """The sites of the ops that a request in flight (or the defaults) selects, and those of
+        them where a selected op writes (an op with a read ring reads)."""
         cached = self._selected_sites
         if cached is None or cached[0] != self._choices_version:
             chosen = self._default_bits
             for bits in self._request_bits.values():
                 chosen |= bits
-            sites = frozenset(site for site, ops in self.by_site.items()
-                              if any(not o.retired and chosen >> self._bit[o.app] & 1 for o in ops))
-            cached = self._selected_sites = (self._choices_version, sites)
-        return cached[1]
+            selected = {site: [o for o in ops if not o.retired and chosen >> self._bit[o.app] & 1]
+                        for site, ops in self.by_site.items()}
+            cached = self._selected_sites = (
+                self._choices_version, frozenset(site for site, ops in selected.items() if ops),
+                frozenset(site for site, ops in selected.items() if any(o.ring is None for o in ops)))
+        return cached[1], cached[2]
 
     def _selects(self, apps: set[str]) -> bool:
         return bool(apps) and any(names & apps for names in [*self.selected.values(), self.defaults])

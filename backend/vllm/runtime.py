@@ -319,7 +319,7 @@ class SiteRuntime:
             for site, site_ops in phase.ops.items():
                 for op in site_ops:
                     op = op.op if isinstance(op, sharding.Placed) else op
-                    if isinstance(op, (AffineWrite, GeneratedWrite)) and site not in p.nonfinite:
+                    if is_write(op) and site not in p.nonfinite:
                         p.nonfinite[site] = torch.zeros(p.batch, dtype=torch.int32, device=self.device)
                     if isinstance(op, (Read, GeneratedRead)) and op.store is None and self.tp_rank == 0:
                         lead = (p.batch, phase.padded_len) if op.keeps_pos else (p.batch,)
@@ -342,11 +342,20 @@ class SiteRuntime:
         those of an app installed after the model was built that a request selects)."""
         return not self.active_sites.ids <= self.compiled_sites
 
-    def _active_site_ids(self) -> frozenset[int]:
-        """The sites with ops in the coming step: its passes', and the resident ops requests select."""
-        passes = {site for p in self.passes.values() if p.rows for _, phase in p.phases() for site in phase.ops}
-        selected = self.control.selected_sites()
-        return selected.union(passes) if passes else selected
+    def _set_active_sites(self) -> None:
+        """The sites with ops in the coming step, its passes' and the resident ops requests select,
+        and those of them with a write."""
+        active, written = set(), set()
+        for p in self.passes.values():
+            if p.rows:
+                for _, phase in p.phases():
+                    for site, ops in phase.ops.items():
+                        active.add(site)
+                        if any(is_write(op) for op in ops):
+                            written.add(site)
+        selected, selected_written = self.control.selected_sites()
+        self.active_sites.ids = selected.union(active) if active else selected
+        self.active_sites.written = selected_written.union(written) if written else selected_written
 
     def _host_passes(self) -> bool:
         return any(p.rows and (p.prefill.ops or p.decode and p.decode.ops) for p in self.passes.values())
@@ -354,7 +363,7 @@ class SiteRuntime:
     def begin_step(self, positions: torch.Tensor) -> None:
         """Called by the model's forward (not replayed by CUDA graphs: eager and compiled steps only)."""
         self.step = None
-        self.active_sites.ids = self._active_site_ids()
+        self._set_active_sites()
         host_passes = self._host_passes()
         if not host_passes and (self.runner_prepares_steps or not self.control.ops):
             return
@@ -480,6 +489,11 @@ class SiteRuntime:
         tokens = chosen.tokens
         self._pending.append(PendingRead(p, phase, op, self.step.row.index_select(0, tokens),
                                          self.step.padded_pos.index_select(0, tokens), home))
+
+
+def is_write(op) -> bool:
+    """Whether a lowered op (or its placed form on a TP rank) writes its site."""
+    return isinstance(op.op if isinstance(op, sharding.Placed) else op, (AffineWrite, GeneratedWrite))
 
 
 def _put(spec, rows: torch.Tensor, positions: torch.Tensor, values: torch.Tensor) -> None:

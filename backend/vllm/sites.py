@@ -12,7 +12,7 @@ the *active* ones, the armed sites with an op in that step (`ActiveSites`, set b
 before each forward). So an armed site that no app uses costs nothing in the steps that replay
 graphs (as it would as an opaque op: no kernel of its own, but a barrier to Inductor's fusions,
 and an unfused residual add + norm), nor in a call hooked elsewhere, and vLLM's fused residual
-add + norm stays fused unless a residual site around it runs.
+add + norm stays fused unless a residual site around it writes.
 
 Each family is a table: (submodule path, placement, hook names). Placements:
   "after"         sites on the module's output (the tensor; for vLLM's linear layers, which
@@ -28,7 +28,10 @@ Each family is a table: (submodule path, placement, hook names). Placements:
                   and run the "scale" sites on it, normalise unfused by that scale, run the
                   "normalized" sites on the result, then the "weighted" sites (optional group) on
                   the norm's output (the final norm's: TransformerLens's unembed.hook_in). Called
-                  without a residual (Llama's first layer), the sum is `x` itself.
+                  without a residual (Llama's first layer), the sum is `x` itself. Where none of
+                  the norm's sites writes in a step run uncompiled (reads only: a cache, a
+                  probe), vLLM's norm runs as it does without sites, fused and rounded alike, and
+                  the sites read around it.
   "attention"     sites on the query and key that vLLM's attention layer receives, after the
                   rotary embedding (TransformerLens's hook_rot_q / hook_rot_k): on contiguous
                   copies, as q and k may be views of one qkv tensor (see site_op.py).
@@ -121,10 +124,11 @@ def site_table(family: str, n_layers: int) -> list[tuple[str, str, dict[str, lis
 
 class ActiveSites:
     """The site ids with ops in the coming step, which the site runtime sets before each forward:
-    the sites a step run uncompiled runs (of the armed ones there)."""
+    the sites a step run uncompiled runs (of the armed ones there), and those of them with a write."""
 
     def __init__(self) -> None:
         self.ids: frozenset[int] = frozenset()
+        self.written: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -140,6 +144,12 @@ class SiteIds:
         if torch.compiler.is_compiling():
             return self.compiled
         return tuple(i for i in self.armed if i in self.active.ids)
+
+    def read_only_now(self) -> bool:
+        """Whether these sites only read in the coming step, run uncompiled. Never in the compiled
+        model: there a site is a functionalized op, kept only where its output is used (a read on a
+        tensor that nothing uses after it, the final norm's residual, would be dropped)."""
+        return not torch.compiler.is_compiling() and not any(i in self.active.written for i in self.now())
 
 
 def _run_sites(x: torch.Tensor, site_ids: SiteIds) -> None:
@@ -204,23 +214,40 @@ def _weighted(norm: nn.Module, normalized: torch.Tensor) -> torch.Tensor:
     return out + norm.bias if getattr(norm, "bias", None) is not None else out
 
 
+def _read_scale_and_normalized(norm: nn.Module, resid: torch.Tensor, scale_ids: SiteIds,
+                               normalized_ids: SiteIds) -> torch.Tensor:
+    """The norm of `resid` unfused, its scale and normalized values through their sites (which may
+    write them): the weighted output."""
+    centred = _centred(norm, resid)
+    scale = _scale(norm, centred).to(resid.dtype)
+    _run_sites(scale, scale_ids)
+    normalized = (centred / scale.float()).to(resid.dtype)
+    _run_sites(normalized, normalized_ids)
+    return _weighted(norm, normalized)
+
+
 def _wrap_norm(norm: nn.Module, sum_ids: SiteIds, scale_ids: SiteIds, normalized_ids: SiteIds,
                weighted_ids: SiteIds) -> None:
     inner = norm.forward
+    groups = (sum_ids, scale_ids, normalized_ids, weighted_ids)
 
     def forward(x, residual=None):
-        if not (sum_ids.now() or scale_ids.now() or normalized_ids.now() or weighted_ids.now()):
+        if not any(ids.now() for ids in groups):
             # the norm as vLLM runs it (Llama's: fused with the residual add)
             return inner(x) if residual is None else inner(x, residual)
+        if all(ids.read_only_now() for ids in groups):
+            # reads only: vLLM's norm as it runs without sites (fused, and rounded as fused: a read
+            # changes no output), read around it
+            out, resid = (inner(x), x) if residual is None else inner(x, residual)
+            _run_sites(resid, sum_ids)
+            if scale_ids.now() or normalized_ids.now():
+                _read_scale_and_normalized(norm, resid, scale_ids, normalized_ids)
+            _run_sites(out, weighted_ids)
+            return out if residual is None else (out, resid)
         resid = x if residual is None else x + residual
         _run_sites(resid, sum_ids)
         if scale_ids.now() or normalized_ids.now():
-            centred = _centred(norm, resid)
-            scale = _scale(norm, centred).to(resid.dtype)
-            _run_sites(scale, scale_ids)
-            normalized = (centred / scale.float()).to(resid.dtype)
-            _run_sites(normalized, normalized_ids)
-            out = _weighted(norm, normalized)
+            out = _read_scale_and_normalized(norm, resid, scale_ids, normalized_ids)
         else:
             out = inner(resid)
         _run_sites(out, weighted_ids)

@@ -18,10 +18,10 @@ With --profile, each task runs once more on xmix-lens under cProfile (the host f
 most own time) and, on a GPU, under torch's profiler (the device's kernel time and launches against
 the call's wall time: whether the call waits on the host or on the GPU).
 """
-import cProfile
-import pstats
 import argparse
+import cProfile
 import importlib.metadata
+import pstats
 import statistics
 import sys
 import time

@@ -265,7 +265,7 @@ def decode_step_profile(llm, prompts, control=None) -> dict:
     calls by name (a long cudaMemcpyAsync or a synchronize is the host waiting for the GPU), also
     those made inside the control plane's `prepare_step` (`control`: the engine's); and the GPU's
     idle time a step (`gpu_idle_us`: no kernel or copy running), which host work that vLLM's
-    scheduling does not overlap with the GPU adds to.""" 
+    scheduling does not overlap with the GPU adds to."""
     from torch.profiler import ProfilerActivity, profile, record_function
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt

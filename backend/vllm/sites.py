@@ -130,6 +130,9 @@ class ActiveSites:
         self.ids: frozenset[int] = frozenset()
         self.written: frozenset[int] = frozenset()
 
+    def any_written(self, groups) -> bool:
+        return any(i in self.written for ids in groups for i in ids)
+
 
 @dataclass(frozen=True)
 class SiteIds:
@@ -145,15 +148,10 @@ class SiteIds:
             return self.compiled
         return tuple(i for i in self.armed if i in self.active.ids)
 
-    def read_only_now(self) -> bool:
-        """Whether these sites only read in the coming step, run uncompiled. Never in the compiled
-        model: there a site is a functionalized op, kept only where its output is used (a read on a
-        tensor that nothing uses after it, the final norm's residual, would be dropped)."""
-        return not torch.compiler.is_compiling() and not any(i in self.active.written for i in self.now())
 
-
-def _run_sites(x: torch.Tensor, site_ids: SiteIds) -> None:
-    for site_id in site_ids.now():
+def _run_sites(x: torch.Tensor, ids: tuple[int, ...]) -> None:
+    """The sites `ids` (a SiteIds' `now()`) on x."""
+    for site_id in ids:
         torch.ops.xmix.site(x, site_id)
 
 
@@ -162,7 +160,7 @@ def _wrap_after(module: nn.Module, site_ids: SiteIds) -> None:
 
     def forward(*args, **kwargs):
         out = inner(*args, **kwargs)
-        _run_sites(out[0] if isinstance(out, tuple) else out, site_ids)
+        _run_sites(out[0] if isinstance(out, tuple) else out, site_ids.now())
         return out
 
     module.forward = forward
@@ -191,7 +189,7 @@ def _wrap_before(module: nn.Module, site_ids: SiteIds) -> None:
     inner = module.forward
 
     def forward(x, *args, **kwargs):
-        _run_sites(x, site_ids)
+        _run_sites(x, site_ids.now())
         return inner(x, *args, **kwargs)
 
     module.forward = forward
@@ -214,8 +212,8 @@ def _weighted(norm: nn.Module, normalized: torch.Tensor) -> torch.Tensor:
     return out + norm.bias if getattr(norm, "bias", None) is not None else out
 
 
-def _read_scale_and_normalized(norm: nn.Module, resid: torch.Tensor, scale_ids: SiteIds,
-                               normalized_ids: SiteIds) -> torch.Tensor:
+def _read_scale_and_normalized(norm: nn.Module, resid: torch.Tensor, scale_ids: tuple[int, ...],
+                               normalized_ids: tuple[int, ...]) -> torch.Tensor:
     """The norm of `resid` unfused, its scale and normalized values through their sites (which may
     write them): the weighted output."""
     centred = _centred(norm, resid)
@@ -229,28 +227,29 @@ def _read_scale_and_normalized(norm: nn.Module, resid: torch.Tensor, scale_ids: 
 def _wrap_norm(norm: nn.Module, sum_ids: SiteIds, scale_ids: SiteIds, normalized_ids: SiteIds,
                weighted_ids: SiteIds) -> None:
     inner = norm.forward
-    groups = (sum_ids, scale_ids, normalized_ids, weighted_ids)
+    active = sum_ids.active
 
     def forward(x, residual=None):
-        if not any(ids.now() for ids in groups):
+        now = sums, scales, normalizeds, weighteds = [ids.now() for ids in (sum_ids, scale_ids, normalized_ids,
+                                                                             weighted_ids)]
+        if not any(now):
             # the norm as vLLM runs it (Llama's: fused with the residual add)
             return inner(x) if residual is None else inner(x, residual)
-        if all(ids.read_only_now() for ids in groups):
-            # reads only: vLLM's norm as it runs without sites (fused, and rounded as fused: a read
-            # changes no output), read around it
+        # Reads only, in a step run uncompiled: vLLM's norm as it runs without sites (fused, and
+        # rounded as fused: a read changes no output), read around it. Never in the compiled model:
+        # there a site is a functionalized op, kept only where its output is used (a read of the
+        # final norm's residual, which nothing uses after it, would be dropped).
+        if not torch.compiler.is_compiling() and not active.any_written(now):
             out, resid = (inner(x), x) if residual is None else inner(x, residual)
-            _run_sites(resid, sum_ids)
-            if scale_ids.now() or normalized_ids.now():
-                _read_scale_and_normalized(norm, resid, scale_ids, normalized_ids)
-            _run_sites(out, weighted_ids)
+            _run_sites(resid, sums)
+            if scales or normalizeds:
+                _read_scale_and_normalized(norm, resid, scales, normalizeds)
+            _run_sites(out, weighteds)
             return out if residual is None else (out, resid)
         resid = x if residual is None else x + residual
-        _run_sites(resid, sum_ids)
-        if scale_ids.now() or normalized_ids.now():
-            out = _read_scale_and_normalized(norm, resid, scale_ids, normalized_ids)
-        else:
-            out = inner(resid)
-        _run_sites(out, weighted_ids)
+        _run_sites(resid, sums)
+        out = _read_scale_and_normalized(norm, resid, scales, normalizeds) if scales or normalizeds else inner(resid)
+        _run_sites(out, weighteds)
         return out if residual is None else (out, resid)
 
     norm.forward = forward
@@ -260,12 +259,12 @@ def _wrap_attention(attention: nn.Module, q_ids: SiteIds, k_ids: SiteIds) -> Non
     inner = attention.forward
 
     def forward(query, key, value, *args, **kwargs):
-        if q_ids.now():
+        if q_now := q_ids.now():
             query = query.clone(memory_format=torch.contiguous_format)
-            _run_sites(query, q_ids)
-        if k_ids.now():
+            _run_sites(query, q_now)
+        if k_now := k_ids.now():
             key = key.clone(memory_format=torch.contiguous_format)
-            _run_sites(key, k_ids)
+            _run_sites(key, k_now)
         return inner(query, key, value, *args, **kwargs)
 
     attention.forward = forward

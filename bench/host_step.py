@@ -2,6 +2,7 @@
 apps (bench/serving.py) active on every request, decode steps (one token a request), no forward.
 
     python -m bench.host_step --model DIR --out results.json      # DIR: an HF folder (its shapes)
+    python -m bench.host_step --model DIR --dummy --device cuda   # a config folder, dummy weights
 
 A plane on the CPU (`--device cuda` for one on the GPU: pinned staging, its copies and events),
 requests that finish every --request-steps steps (their reads taken, as a server does) and new
@@ -57,9 +58,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--requests", default="32,256,512")
     parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--request-steps", type=int, default=128, help="steps a batch of requests lives")
+    parser.add_argument("--dummy", action="store_true", help="load_format=dummy (a config folder, no weights)")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
-    model = HookedServedModel.from_pretrained(args.model, enforce_eager=True, max_model_len=128)
+    model = HookedServedModel.from_pretrained(args.model, enforce_eager=True, max_model_len=128,
+                                              **({"load_format": "dummy"} if args.dummy else {}))
     try:
         result = {"command": "python -m bench.host_step " + " ".join(argv if argv is not None else sys.argv[1:]),
                   "machine": {"platform": platform.platform(), "processor": platform.processor()},

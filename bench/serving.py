@@ -127,6 +127,14 @@ def build_engines(args, modes):
     return built, [a.name for a in apps], seconds
 
 
+def kv_capacity_tokens(engine) -> int:
+    """How many tokens an engine's KV cache holds (a workload that needs more preempts requests,
+    and their recomputation makes its timings vary from run to run)."""
+    llm = getattr(engine, "engine", None)
+    cache = (llm.llm if llm is not None else engine).llm_engine.vllm_config.cache_config
+    return cache.num_gpu_blocks * cache.block_size
+
+
 def _cfg(args):
     from transformers import AutoConfig
 
@@ -232,10 +240,13 @@ def summarise(runs: dict) -> dict:
             values = [r[m] for r in repeats]
             med, base = statistics.median(values), statistics.median(native[m])
             ratio = med / base
+            # each repeat against native's of the same repeat (modes alternate: a drift of the machine
+            # between repeats cancels)
+            paired = statistics.median(v / n for v, n in zip(values, native[m]))
             # the noise: the relative spread (max - min) / median of either mode's repeats
             noise = max((max(v) - min(v)) / statistics.median(v) for v in (values, native[m]))
             row[m] = {"median": med, "min": min(values), "max": max(values), "ratio_to_native": ratio,
-                      "noise": noise, "within_noise": abs(ratio - 1) <= noise}
+                      "paired_ratio": paired, "noise": noise, "within_noise": abs(ratio - 1) <= noise}
         host = [r["host_ms_per_step"] for r in repeats if "host_ms_per_step" in r]
         if host:
             row["host_ms_per_step"] = {"median": statistics.median(host), "max": max(host)}
@@ -358,7 +369,8 @@ def main(argv=None) -> dict:
               "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(),
                           "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None},
               "versions": {"torch": torch.__version__, "vllm": __import__("vllm").__version__},
-              "engine_build_s": build_seconds, "apps": app_names, "workloads": {}}
+              "engine_build_s": build_seconds, "apps": app_names, "workloads": {},
+              "kv_capacity_tokens": {name: kv_capacity_tokens(engine) for name, engine in engines.items()}}
     gen = torch.Generator().manual_seed(1234)
     if args.profile and "production" in engines:  # each op's kernel at each workload's decode batch
         result["kernel_floors"] = resident_kernel_times(
@@ -367,6 +379,11 @@ def main(argv=None) -> dict:
         write_result(result, args.out)
     for workload in args.workloads.split(","):
         n, in_len, out_len = table[workload]
+        needed = n * (in_len + out_len)
+        if needed > min(result["kv_capacity_tokens"].values()):
+            print(f"bench.serving: {workload} needs {needed} KV tokens, more than an engine holds "
+                  f"({result['kv_capacity_tokens']}): requests will be preempted (raise --gpu-memory-utilization)",
+                  file=sys.stderr)
 
         def prompts():
             return torch.randint(100, vocab - 100, (n, in_len), generator=gen).tolist()
@@ -388,6 +405,7 @@ def main(argv=None) -> dict:
             for r in runs[mode]:
                 r.pop("tokens")
         result["workloads"][workload] = {"requests": n, "prompt_len": in_len, "output_len": out_len,
+                                         "kv_tokens_needed": needed,
                                          "runs": runs, "summary": summarise(runs),
                                          "tokens_equal_native": same_tokens}
         reset(engines, app_names)

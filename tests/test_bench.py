@@ -68,6 +68,14 @@ def test_harness_runs_every_mode_and_the_modes_do_what_they_claim(tmp_path):
         assert row["tokens"] == decode["requests"] and row["us"] > 0
         assert row["bytes"] >= row["tokens"] * row["features"] * 4  # x's rows at least, fp32 here
     assert result["command"].startswith("python -m bench.serving")
+    # whether a workload fits each engine's KV cache (else preemption makes the timings vary)
+    assert set(result["kv_capacity_tokens"]) == {"native", "production", "research", "eager"}
+    assert all(tokens > 0 for tokens in result["kv_capacity_tokens"].values())
+    assert decode["kv_tokens_needed"] == decode["requests"] * (decode["prompt_len"] + decode["output_len"])
+    for mode, row in decode["summary"].items():  # each repeat against native's of the same repeat
+        runs = zip(decode["runs"][mode], decode["runs"]["native"])
+        ratios = [r["mean_itl_ms"] / n["mean_itl_ms"] for r, n in runs]
+        assert row["mean_itl_ms"]["paired_ratio"] == pytest.approx(sum(ratios) / 2)  # the median of two
 
 
 def test_the_profile_counts_every_kernel_of_xmix_lens():
@@ -135,5 +143,5 @@ def test_host_step_harness_times_prepare_step_with_requests_coming_and_going():
     from bench import host_step
 
     result = host_step.main(["--model", str(tiny_llama()), "--requests", "4,8", "--steps", "30",
-                             "--request-steps", "7"])
+                             "--request-steps", "7", "--dummy"])
     assert set(result["host_ms_per_step"]) == {"4", "8"} and all(v > 0 for v in result["host_ms_per_step"].values())

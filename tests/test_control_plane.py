@@ -7,6 +7,7 @@ activated or re-parameterised, and nothing recompiles."""
 import gc
 import json
 
+import numpy as np
 import pytest
 import torch
 from vllm.compilation.counter import compilation_counter
@@ -388,7 +389,7 @@ def test_uninstalling_a_reading_app_before_its_last_step_goes_home_is_safe(serve
     first = install("first-probe")
     plane.select("r0", ["first-probe"])
     plane.prepare_step(["r0"], [0, 3], 3, torch.arange(3))
-    first.ops[0].ring[:3] = torch.tensor([[1.0], [2.0], [3.0]])  # what the step's launch wrote
+    first.ops[0].step_values[:3] = torch.tensor([[1.0], [2.0], [3.0]])  # what the step's launch wrote
     plane.uninstall("first-probe")
     second = install("second-probe")  # takes the freed control row
     assert second.ops[0].index == first.ops[0].index
@@ -404,7 +405,7 @@ def test_a_control_plane_made_under_a_default_device_keeps_its_staging_on_the_ho
     staging rows from it would copy device to host every step, waiting for the step in flight.
     Made here under the meta device (where any such buffer fails loudly), the plane prepares steps
     and its control rows say what the step runs."""
-    from xmix_lens.backend.vllm.control import DEST, ROWS, ControlPlane
+    from xmix_lens.backend.vllm.control import ROWS, ControlPlane
 
     model = served[MODEL]
     runtime = model.engine.runtime
@@ -416,6 +417,60 @@ def test_a_control_plane_made_under_a_default_device_keeps_its_staging_on_the_ho
     op = plane.install("probe", runtime._place_all(lowered.ops, resident=True)).ops[0]
     plane.select("r0", ["probe"])
     for step in range(3):  # both staging buffers, and the first again
-        plane.prepare_step(["r1", "r0"], [0, 2, 5], 5, torch.arange(5))
-        assert plane.control[op.index, ROWS, :5].tolist() == [-1, -1, 2, 3, 4]  # r0's tokens only
-        assert plane.control[op.index, DEST, :5].tolist() == [step % 2 * 64 + t for t in range(5)]
+        order, expected = (["r1", "r0"], [-1, -1, 2, 3, 4]) if step % 2 == 0 else (["r0", "r1"], [0, 1, 2, -1, -1])
+        plane.prepare_step(order, [0, 2, 5] if step % 2 == 0 else [0, 3, 5], 5, torch.arange(5))
+        assert plane.control[op.index, ROWS, :5].tolist() == expected  # r0's tokens only
+
+
+def test_steps_with_the_rows_of_the_step_before_copy_nothing_and_lose_no_read(served):
+    """Most decode steps have the requests and choices of the step before: such a step stages and
+    copies no rows (the plane's `_staged_count` stays), yet after any sequence of steps the control
+    rows equal those a fresh plane makes for the same step, and every step's reads reach the log."""
+    from xmix_lens.backend.vllm.control import ControlPlane
+
+    model = served[MODEL]
+    runtime = model.engine.runtime
+    w, kept = vector(model.cfg.d_model, 7), {}
+    hooks = {"probe": [("blocks.1.hook_resid_post", lambda act, hook: kept.update(s=act @ w))],
+             "steer": Apps(model.cfg.d_model).steer()}
+
+    def plane_with_apps():
+        plane = ControlPlane(torch.device("cpu"), 64)
+        for name, h in hooks.items():
+            plane.install(name, runtime._place_all(model._lower_app(name, h).ops, resident=True))
+        return plane
+
+    plane = plane_with_apps()
+    choices = {"a": ["probe", "steer"], "b": ["steer"], "c": ["probe"]}
+    for r, names in choices.items():
+        plane.select(r, names)
+    # (request ids, tokens per request): prefill, three decode steps alike, a request leaves, alike again
+    steps = [(["a", "b", "c"], [3, 2, 4])] + [(["a", "b", "c"], [1, 1, 1])] * 3 + [(["a", "c"], [1, 1])] * 3
+    staged, computed = [], {r: 0 for r in choices}  # tokens each request has had
+    for step, (ids, counts) in enumerate(steps):
+        query_start = np.concatenate([[0], np.cumsum(counts)])
+        n = int(query_start[-1])
+        positions = torch.cat([torch.arange(c) + computed[r] for r, c in zip(ids, counts)])
+        for r, c in zip(ids, counts):
+            computed[r] += c
+        plane.prepare_step(ids, query_start, n, positions)
+        staged.append(plane._staged_count)
+        fresh = plane_with_apps()
+        for r, names in choices.items():
+            fresh.select(r, names)
+        fresh.prepare_step(ids, query_start, n, positions)
+        rows_used = len(plane.slots)
+        assert torch.equal(plane.control[:rows_used, :, :n], fresh.control[:rows_used, :, :n]), step
+        values = plane.apps["probe"].ops[0].step_values
+        values[:n] = (100 * step + torch.arange(n, dtype=torch.float32))[:, None]  # what the step's launch writes
+    assert staged == [1, 2, 2, 2, 3, 3, 3]  # restaged only where the requests or their tokens changed
+    plane.drain()
+    for r in ("a", "c"):
+        got_positions, got_values = plane.take_results(r)[("probe", next(iter(plane.apps["probe"].ops)).op.key)]
+        expected = []
+        for step, (ids, counts) in enumerate(steps):
+            if r in ids:
+                start = sum(counts[:ids.index(r)])
+                expected += [100 * step + start + t for t in range(counts[ids.index(r)])]
+        assert got_values[:, 0].tolist() == expected, r
+        assert got_positions.tolist() == list(range(len(expected)))

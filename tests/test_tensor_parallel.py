@@ -121,7 +121,7 @@ def test_cache_and_generation_under_tp2(tp1, tp2):
 
 def _apps(cfg, prefix):
     """Installed apps (resident ops) at sharded sites: a head shift (local) and a read over every
-    head (gather, its ring filled by row), and a residual probe (replicated)."""
+    head (gather, its step values filled by row), and a residual probe (replicated)."""
     H, D = cfg.n_heads, cfg.d_head
     shift = App(f"{prefix}shift", params={"s": 3.0 * torch.randn(H, D, generator=_gen(4)) * (torch.arange(H) == 2)[:, None]})
     shift.fwd_hooks.append(("blocks.0.attn.hook_z", lambda act, hook: act + shift.params["s"]))

@@ -5,8 +5,9 @@ life of the engine, with their tensors at fixed device addresses. At a site, eve
 launched over all of the step's tokens, every step, with the same arguments:
 
     rows  = control[op, ROWS, :T]    token t, or -1 where the op leaves the token alone
-    dest  = control[op, DEST, :T]    a read's slot in the op's ring (ring slot * max_tokens + t)
     table = control[op, TABLE, :T]   the row of the op's request-value tables the token uses (0: defaults)
+
+and a read writes token t's value into row t of its `step_values`.
 
 So a CUDA graph captured with the op in it replays correctly whatever requests, apps and
 parameters a later step has: between steps the host only writes buffers.
@@ -19,17 +20,20 @@ parameters a later step has: between steps the host only writes buffers.
     (value - default) * slope, written when the request is selected.
 Nothing is recaptured, restarted or drained for any of these.
 
-Reads (the messenger): a read op writes each live token's value into its ring buffer, slot
-`step % RING_DEPTH`, and the step's positions are copied beside them. When the next step is
-prepared, the host queues the copy of the finished step's slot into the op's read log (ReadLog: one
-host buffer per read op, pinned on a GPU, stream ordered and non-blocking), each row tagged with its
-request's number. Per step that is two copies and one small numpy array per read op, whatever the
-number of requests: no Python object per request, step or token stays behind (the garbage
+Reads (the messenger): a read op writes each live token's value into its `step_values`, and the
+step's positions are copied beside them. When the next step is prepared, the host queues the copy
+of the finished step's rows into the op's read log (ReadLog: one host buffer per read op, pinned on
+a GPU, stream ordered and non-blocking), each row tagged with its request's number. One buffer is
+enough: that copy is queued on the stream before the next step's forward, which overwrites it.
+Per step that is two copies and one small numpy array per read op, whatever the number of
+requests: no Python object per request, step or token stays behind (the garbage
 collector has nothing to walk). A request's values are gathered from the log once, when they are
 taken (`take_results`). A position computed twice (preemption recomputes a request; chunked
 prefill never does) keeps its latest value: nothing is lost or duplicated. Device memory, per
-engine: control 2 x MAX_RESIDENT_OPS x max_tokens int32, and per read op RING_DEPTH x max_tokens x
-width fp32.
+engine: control 2 x MAX_RESIDENT_OPS x max_tokens int32, and per read op max_tokens x width fp32 (its step values).
+
+Most decode steps have the rows of the step before (the same requests, choices and token counts):
+then nothing is staged or copied, and the host's work is the reads' copies home.
 
 An op installed after the engine captured its CUDA graphs is not in them. Its launches run only in
 steps the engine runs without graphs: requests that select such an app make their steps eager
@@ -49,8 +53,8 @@ from ..executor import Executor
 from .sharding import Placed, on_site
 
 MAX_RESIDENT_OPS = 64  # control rows; also the most apps (one bit each in a request's uint64 mask)
-RING_DEPTH = 2
-ROWS, DEST, TABLE = 0, 1, 2
+STAGING_BUFFERS = 2  # so that a copy still in flight is never overwritten by the next step's staging
+ROWS, TABLE = 0, 1
 
 
 class ResidentCapacityError(ValueError):
@@ -63,7 +67,7 @@ class ResidentOp:
     site: int
     index: int  # its row of the control buffer
     op: LoweredOp
-    ring: torch.Tensor | None = None  # reads: [RING_DEPTH * max_tokens, width] fp32
+    step_values: torch.Tensor | None = None  # reads: the step's values, [max_tokens, width] fp32 (row t: token t)
     log: "ReadLog | None" = None  # reads: every step's values on the host, until their requests take them
     captured: bool = False  # launched while a CUDA graph was being captured
     retired: bool = False  # its app was uninstalled; kept only because a captured graph launches it
@@ -96,14 +100,13 @@ class ResidentApp:
         self.digest = h.digest()
 
     def info(self) -> AppInfo:
-        return AppInfo(self.name, self.digest, any(op.ring is not None for op in self.ops), self.version)
+        return AppInfo(self.name, self.digest, any(op.step_values is not None for op in self.ops), self.version)
 
 
 @dataclass
 class _Step:
     """A prepared step whose reads are not queued home yet."""
 
-    slot: int
     n_tokens: int
     read_ops: list  # the read ops on in the step (held: an uninstall before the copy home frees their rows)
     owners: np.ndarray  # [len(read_ops), n_tokens]: each token's request number, -1 where the op is off
@@ -214,7 +217,6 @@ class ControlPlane:
     by_site: dict[int, list[ResidentOp]] = field(default_factory=dict)
     selected: dict[str, frozenset] = field(default_factory=dict)  # vLLM request id -> its apps
     defaults: frozenset = frozenset()  # the apps of requests that chose none (e.g. sent to vLLM directly)
-    step_count: int = 0
     comm: object = None  # a TP engine's collectives (sharding.TPCollectives), for ops placed as a gather
     delivers: bool = True  # whether this rank sends reads home (TP: rank 0 only)
     max_requests: int = 256  # requests running at once (vLLM's max_num_seqs): table rows besides the defaults
@@ -223,28 +225,27 @@ class ControlPlane:
         pin = self.device.type == "cuda"
         # its own executor: launches whose arguments are all fixed-address buffers
         self.executor = Executor(self.device, self.max_tokens)
-        self.control = torch.full((MAX_RESIDENT_OPS, 3, self.max_tokens), -1, dtype=torch.int32, device=self.device)
+        self.control = torch.full((MAX_RESIDENT_OPS, 2, self.max_tokens), -1, dtype=torch.int32, device=self.device)
         self.control[:, TABLE] = 0
-        # A step's rows are staged on the host as one contiguous [ops, 3, width] block at the front of
+        self._tokens = torch.arange(self.max_tokens, dtype=torch.int32, device=self.device)  # a read's row per token
+        # A step's rows are staged on the host as one contiguous [ops, 2, width] block at the front of
         # a flat pinned buffer, copied to a device buffer as they are, then into `control` there: a
         # copy from a strided pinned view would go through pageable memory, and such a copy waits
-        # for the GPU to finish everything queued before it (the step in flight). Two staging
-        # buffers, so that a copy still in flight is never overwritten by the next step's preparation
-        # (device="cpu" explicitly: vLLM builds the model under a default-device context).
-        self._staging = [torch.empty(MAX_RESIDENT_OPS * 3 * self.max_tokens, dtype=torch.int32, device="cpu",
-                                     pin_memory=pin) for _ in range(RING_DEPTH)]
-        self._landing = torch.empty(MAX_RESIDENT_OPS * 3 * self.max_tokens, dtype=torch.int32, device=self.device)
-        # a read's slot in its ring per token: ring slot * max_tokens + t (on the host: copying it
-        # into the staging rows from the device would wait for the step in flight)
-        self._ring_slots = torch.arange(RING_DEPTH * self.max_tokens, dtype=torch.int32, device="cpu").view(
-            RING_DEPTH, -1)
-        # made once and recorded again each step (no object per step)
-        self._staged_events = [torch.cuda.Event() for _ in range(RING_DEPTH)] if pin else None
+        # for the GPU to finish everything queued before it (the step in flight). Staging buffers
+        # take turns (device="cpu" explicitly: vLLM builds the model under a default-device context).
+        self._staging = [torch.empty(MAX_RESIDENT_OPS * 2 * self.max_tokens, dtype=torch.int32, device="cpu",
+                                     pin_memory=pin) for _ in range(STAGING_BUFFERS)]
+        self._landing = torch.empty(MAX_RESIDENT_OPS * 2 * self.max_tokens, dtype=torch.int32, device=self.device)
+        self._staged_count = 0
+        # made once and recorded again each time (no object per step)
+        self._staged_events = [torch.cuda.Event() for _ in range(STAGING_BUFFERS)] if pin else None
         # per staging buffer, the (rows, width, tokens) and layout of the step it last held
-        self._staged_shape: list[tuple | None] = [None] * RING_DEPTH
-        self._staged_layout: list[_Layout | None] = [None] * RING_DEPTH
+        self._staged_shape: list[tuple | None] = [None] * STAGING_BUFFERS
+        self._staged_layout: list[_Layout | None] = [None] * STAGING_BUFFERS
+        self._in_control: tuple | None = None  # what the rows in `control` were made from (_prepare's key)
+        self._read_owners: tuple = ([], None)  # the read ops on in those rows, and each token's request number
         self._copied_home = torch.cuda.Event() if pin else None  # after the last queued copy into the read logs
-        self.ring_positions = torch.zeros(RING_DEPTH, self.max_tokens, dtype=torch.long, device=self.device)
+        self.step_positions = torch.zeros(self.max_tokens, dtype=torch.long, device=self.device)
         self._unqueued: _Step | None = None  # the prepared step whose reads are not queued home yet
         self._pin = pin
         self._number: dict[str, int] = {}  # request id -> its number in the read logs
@@ -254,6 +255,7 @@ class ControlPlane:
         self._choices_version = 0
         self._selected_sites: tuple | None = None  # (choices version, *selected_sites())
         self._last_choices: tuple | None = None
+        self._choices_made = 0  # a serial number per choices tuple made
         # host time in prepare_step (a bench field: the control plane's work per step)
         self.host_seconds, self.host_steps = 0.0, 0
         self._bit: dict[str, int] = {}  # app name -> its bit in the per-request masks
@@ -291,7 +293,7 @@ class ControlPlane:
                 entry = ResidentOp(name, site, free.pop(0), op, placed=placed, tables=tables)
                 if isinstance(op, (Read, GeneratedRead)):
                     width = int(np.prod(op.feature_shape, dtype=np.int64))
-                    entry.ring = torch.zeros(RING_DEPTH * self.max_tokens, width, device=self.device)
+                    entry.step_values = torch.zeros(self.max_tokens, width, device=self.device)
                     entry.log = ReadLog(width, self._pin, self._alive_numbers) if self.delivers else None
                 self.slots += [None] * (entry.index + 1 - len(self.slots))
                 self.slots[entry.index] = entry
@@ -393,6 +395,7 @@ class ControlPlane:
         slot = self._slot.pop(req_id, None)
         if slot is not None:
             self._free_slots.append(slot[0])
+            self._choices_version += 1  # a step's table rows name it no more
 
     def set_defaults(self, names) -> None:
         self.check_installed(names)
@@ -452,7 +455,7 @@ class ControlPlane:
 
     def selected_sites(self) -> tuple[frozenset[int], frozenset[int]]:
         """The sites of the ops that a request in flight (or the defaults) selects, and those of
-        them where a selected op writes (an op with a read ring reads)."""
+        them where a selected op writes (an op with step values reads)."""
         cached = self._selected_sites
         if cached is None or cached[0] != self._choices_version:
             chosen = self._default_bits
@@ -462,7 +465,7 @@ class ControlPlane:
                         for site, ops in self.by_site.items()}
             cached = self._selected_sites = (
                 self._choices_version, frozenset(site for site, ops in selected.items() if ops),
-                frozenset(site for site, ops in selected.items() if any(o.ring is None for o in ops)))
+                frozenset(site for site, ops in selected.items() if any(o.step_values is None for o in ops)))
         return cached[1], cached[2]
 
     def _selects(self, apps: set[str]) -> bool:
@@ -483,26 +486,41 @@ class ControlPlane:
         self._queue_home()
         query_start = np.asarray(query_start[: len(req_ids) + 1])
         layout = self._layout or self._make_layout()
-        request_bits, numbers = self._choices(req_ids, need_numbers=len(layout.reads) > 0)
+        choices = self._choices(req_ids, need_numbers=len(layout.reads) > 0)
+        request_bits = choices[2]
         if not request_bits.any() and self._idle:
             return  # the device rows are all -1 already (up to max_tokens): nothing to write
-        slot = self.step_count % RING_DEPTH
-        self.step_count += 1
-        if self._pin:
-            self._staged_events[slot].synchronize()  # its copy from two steps ago is long done
         # a step with no app resets every row (idle steps after it skip the copy); others the step's
         width = max(n_padded or n_tokens, n_tokens) if request_bits.any() else self.max_tokens
+        # the rows follow from this (the same requests and choices, token counts and layout): in most
+        # decode steps it is the step before's, whose rows `control` holds already
+        key = (choices[4], n_tokens, width, query_start.tobytes())
+        if self._in_control != key:
+            self._stage(layout, query_start, n_tokens, width, request_bits, choices[3], req_ids)
+            self._in_control = key
+        self._idle = not request_bits.any()
+        read_ops, owners = self._read_owners
+        if read_ops:
+            self.step_positions[:n_tokens].copy_(positions[:n_tokens], non_blocking=True)
+            self._unqueued = _Step(n_tokens, read_ops, owners)
+
+    def _stage(self, layout, query_start, n_tokens, width, request_bits, numbers, req_ids) -> None:
+        """A step's rows into `control` (staged on the host, one copy to the device), and the read ops
+        it runs with each of their tokens' request numbers."""
+        turn = self._staged_count % STAGING_BUFFERS
+        self._staged_count += 1
+        if self._pin:
+            self._staged_events[turn].synchronize()  # its copy from two stagings ago is long done
         rows_used = len(self.slots)
-        size = rows_used * 3 * width
-        staging = self._staging[slot][:size].view(rows_used, 3, width)
+        size = rows_used * 2 * width
+        staging = self._staging[turn][:size].view(rows_used, 2, width)
         shape = (rows_used, width, n_tokens)
-        if self._staged_shape[slot] != shape or self._staged_layout[slot] is not layout:
+        if self._staged_shape[turn] != shape or self._staged_layout[turn] is not layout:
             # what no step of this shape and layout writes below: -1 past the tokens and in rows of
-            # no op, ring slots, table rows 0 (kept between such steps: three fills a step less)
+            # no op, table rows 0 (kept between such steps: two fills less)
             staging[:, ROWS] = -1
-            staging[:, DEST] = self._ring_slots[slot, :width]
             staging[:, TABLE] = 0
-            self._staged_shape[slot], self._staged_layout[slot] = shape, layout
+            self._staged_shape[turn], self._staged_layout[turn] = shape, layout
         per_request = np.diff(query_start)
         token_bits = np.repeat(request_bits, per_request)
         tokens = np.arange(n_tokens, dtype=np.int32)
@@ -518,20 +536,21 @@ class ControlPlane:
             staging[op.index, TABLE, :n_tokens] = torch.from_numpy(np.repeat(own, per_request))
         # launches read rows [:T], T (x's tokens, padding included) <= width: the rest may be stale
         landing = self._landing[:size]
-        landing.copy_(self._staging[slot][:size], non_blocking=self._pin)
-        self.control[:rows_used, :, :width].copy_(landing.view(rows_used, 3, width))
-        self._idle = not request_bits.any()
+        landing.copy_(self._staging[turn][:size], non_blocking=self._pin)
+        self.control[:rows_used, :, :width].copy_(landing.view(rows_used, 2, width))
         if self._pin:
-            self._staged_events[slot].record()
+            self._staged_events[turn].record()
+        read_ops, owners = [], None
         if len(layout.reads) and self.delivers:
             read_on = on[layout.reads]
             live = read_on.any(axis=1)
             if live.any():
-                self.ring_positions[slot, :n_tokens].copy_(positions[:n_tokens], non_blocking=True)
                 owners = np.where(read_on[live], np.repeat(numbers, per_request), -1)
-                self._unqueued = _Step(slot, n_tokens, [op for op, on in zip(layout.read_ops, live) if on], owners)
+                read_ops = [op for op, on in zip(layout.read_ops, live) if on]
+        self._read_owners = (read_ops, owners)
 
     def _make_layout(self) -> _Layout:
+        self._in_control = None  # rows made for other ops
         ops = [op for op in self.ops if not op.retired]  # a retired op's row stays -1: selected by nobody
         reads = [i for i, op in enumerate(ops) if op.log is not None]
         indices = [op.index for op in ops]
@@ -543,18 +562,19 @@ class ControlPlane:
                                [op for op in ops if op.tables])
         return self._layout
 
-    def _choices(self, req_ids: list[str], need_numbers: bool) -> tuple[np.ndarray, np.ndarray | None]:
-        """Each request's active apps as a bit mask (bit i: the i-th installed app) and its number
-        in the read logs: the last step's arrays while its requests and their choices are the same
-        (most decode steps), else plain dict lookups per request."""
+    def _choices(self, req_ids: list[str], need_numbers: bool) -> tuple:
+        """(version, request ids, each request's active apps as a bit mask (bit i: the i-th installed
+        app), its number in the read logs, a serial number): the last step's tuple while its requests
+        and their choices are the same (most decode steps), else made by plain dict lookups per request."""
         last = self._last_choices
         if last is not None and last[0] == self._choices_version and last[1] == req_ids:
-            return last[2], last[3]
+            return last
         chosen, default = self._request_bits, self._default_bits
         bits = np.fromiter((chosen.get(r, default) for r in req_ids), dtype=np.uint64, count=len(req_ids))
         numbers = self._request_numbers(req_ids) if need_numbers else None
-        self._last_choices = (self._choices_version, list(req_ids), bits, numbers)
-        return bits, numbers
+        self._choices_made += 1
+        self._last_choices = (self._choices_version, list(req_ids), bits, numbers, self._choices_made)
+        return self._last_choices
 
     def _request_numbers(self, req_ids: list[str]) -> np.ndarray:
         """Each request's number in the read logs; requests that chose nothing get one while
@@ -583,11 +603,10 @@ class ControlPlane:
             rows = self.control[entry.index, ROWS, :T]
             tables = self.control[entry.index, TABLE, :T] if entry.tables else None
             with on_site(entry.placed, x, self.comm) as x_op:  # a gather plan: the whole row
-                if entry.ring is None:
+                if entry.step_values is None:
                     self.executor.run(entry.op, x_op, rows, tables)
                 else:
-                    self.executor.run(entry.op, x_op, rows, tables, out=entry.ring,
-                                      dest=self.control[entry.index, DEST, :T])
+                    self.executor.run(entry.op, x_op, rows, tables, out=entry.step_values, dest=self._tokens[:T])
 
     # --- the messenger ----------------------------------------------------------------------------
     def _queue_home(self) -> None:
@@ -596,10 +615,10 @@ class ControlPlane:
         step, self._unqueued = self._unqueued, None
         if step is None:
             return
-        n, base = step.n_tokens, step.slot * self.max_tokens
-        positions = self.ring_positions[step.slot, :n]
+        n = step.n_tokens
+        positions = self.step_positions[:n]
         for op, owner in zip(step.read_ops, step.owners):
-            op.log.append(op.ring[base: base + n], positions, owner)
+            op.log.append(op.step_values[:n], positions, owner)
         if self._pin:
             self._copied_home.record()
 

@@ -106,8 +106,8 @@ class Placed:
 
 def place(op: LoweredOp, F: int, rank: int, world: int, resident: bool = False) -> Placed:
     """What rank `rank` runs for `op` at a sharded site of F features. A resident read runs as a
-    gather: it fills its ring by token rows, and a ring slot's rows are not known on the host when
-    a CUDA graph replays, so its partial sums cannot be all-reduced in place."""
+    gather: it writes its step values at the rows of the live tokens, which the host does not know
+    when a CUDA graph replays, so its partial sums are not all-reduced in place."""
     p = plan(op, F, world)
     if resident and p.kind == "reduce":
         p = replace(p, kind="gather")

@@ -474,3 +474,34 @@ def test_steps_with_the_rows_of_the_step_before_copy_nothing_and_lose_no_read(se
                 expected += [100 * step + start + t for t in range(counts[ids.index(r)])]
         assert got_values[:, 0].tolist() == expected, r
         assert got_positions.tolist() == list(range(len(expected)))
+
+
+def test_reads_of_requests_that_chose_nothing_are_kept_for_the_last_few(installed, monkeypatch):
+    """Requests sent to vLLM directly run the default apps; their reads wait for a later take, but
+    (as a server's unfetched reads) only the last READS_KEPT finished requests' do: memory stays
+    bounded however many such requests run."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from xmix_lens.backend.vllm import runtime as runtime_module
+
+    model, _, _ = installed
+    runtime, control = model.engine.runtime, model.engine.runtime.control
+    monkeypatch.setattr(runtime_module, "READS_KEPT", 2)
+    params = SamplingParams(max_tokens=2, temperature=0.0, detokenize=False)
+    runtime.set_default_apps({"cp-probe"})
+    try:  # one at a time: a request's finish reaches the runtime with the next request's first step
+        ids = [model.engine.llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3 + i])], params,
+                                         use_tqdm=False)[0].request_id for i in range(5)]
+    finally:
+        runtime.set_default_apps(())
+    # vLLM's own ids add a suffix to LLM's: "<id>-<suffix>"
+    kept = sorted((r for r in control._number if r.rsplit("-", 1)[0] in ids), key=lambda r: int(r.split("-")[0]))
+    assert [r.rsplit("-", 1)[0] for r in kept] == ids[2:] and all(control.read_by_default(r) for r in kept)
+    assert list(runtime.finished_reading) == kept[:2]  # the last one's finish has not reached the runtime
+    control.drain()
+    for r in kept:
+        (positions, values), = control.take_results(r).values()  # the probe's reads, every position
+        assert positions.tolist() == [0, 1, 2, 3] and values.shape == (4, 1)
+    for r in kept:
+        runtime._forget_served(r)

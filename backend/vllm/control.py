@@ -412,6 +412,10 @@ class ControlPlane:
         self.release_values(req_id)
         self._choices_version += 1
 
+    def read_by_default(self, req_id: str) -> bool:
+        """Whether the reads of a request that chose no apps were kept (it ran the default apps)."""
+        return req_id in self._number and req_id not in self.selected
+
     def take_results(self, req_id: str) -> dict:
         """Each read's values for a request so far, by (app, read key): (positions [n], values
         [n, width]), sorted by position. The caller drains first (`drain`)."""

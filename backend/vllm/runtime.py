@@ -29,7 +29,7 @@ from .control import AppInfo, ControlPlane
 from .sites import ActiveSites
 
 
-READS_KEPT = 1024  # finished served requests whose reads wait for the API server's fetch; older ones are dropped
+READS_KEPT = 1024  # finished requests whose reads wait for a fetch (served, or default apps'); older ones are dropped
 
 
 @dataclass
@@ -187,6 +187,9 @@ class SiteRuntime:
                 self.control.release_values(req_id)
             else:
                 self.control.forget(req_id)
+        for req_id in finished - self.served:  # the default apps' reads of a request that chose none
+            if req_id not in self.routed and self.control.read_by_default(req_id):
+                self.finished_reading[req_id] = None  # kept for a later take, as many as a server's
         self.served -= finished
         while len(self.finished_reading) > READS_KEPT:
             self._forget_served(next(iter(self.finished_reading)))

@@ -14,7 +14,9 @@ Engines (all in-process, as the facade runs vLLM; one of each, built once):
 Each repeat draws fresh random prompt ids, the same for every mode, and runs the modes in turn
 (A B C ... A B C ...), after one warm-up run of each. Per run: mean and P99 inter-token latency,
 mean time to first token, total token throughput (prompt + output tokens / wall time), and on the
-xmix-lens engines the control plane's host time per step (`host_ms_per_step`, ControlPlane.prepare_step).
+xmix-lens engines the control plane's host time per step (`host_ms_per_step`, ControlPlane.prepare_step);
+and the mean ITL of the decode window (`decode_itl_ms`: gaps that start once every request has its
+first token, so that no step holds a prefill chunk, whose interleaving makes the whole run's ITL vary).
 With --profile, a decode step of each workload is profiled on native vLLM and with the seven apps
 active: every CUDA kernel's time and launches, xmix-lens's own and the step's total, and on the
 host the step's wall time and the CUDA runtime calls (those inside prepare_step apart); and each
@@ -179,16 +181,26 @@ def run_once(llm, prompts, out_len) -> dict:
                 seen[out.request_id] = n
                 tokens[out.request_id] = list(out.outputs[0].token_ids)
     wall = time.perf_counter() - start
+    total = sum(len(p) for p in prompts) + sum(seen.values())
+    return {**latencies(times, start), "throughput_tok_s": total / wall, "wall_s": wall,
+            "tokens": [tokens[k] for k in sorted(tokens)]}
+
+
+def latencies(times: dict, start: float) -> dict:
+    """Mean and P99 ITL, mean TTFT, and the decode window's mean ITL (gaps that start once every
+    request has its first token: no step of it holds a prefill chunk) from each request's
+    [(time, new tokens)], in ms."""
     ttft = [t[0][0] - start for t in times.values()]
-    gaps = []
+    last_first_token = max(t[0][0] for t in times.values())
+    gaps, decode_gaps = [], []
     for t in times.values():
         for (a, _), (b, n) in zip(t, t[1:]):
             gaps += [(b - a) / n] * n
+            if a >= last_first_token:
+                decode_gaps += [(b - a) / n] * n
     gaps.sort()
-    total = sum(len(p) for p in prompts) + sum(seen.values())
     return {"mean_itl_ms": 1e3 * statistics.fmean(gaps), "p99_itl_ms": 1e3 * gaps[int(0.99 * (len(gaps) - 1))],
-            "mean_ttft_ms": 1e3 * statistics.fmean(ttft), "throughput_tok_s": total / wall, "wall_s": wall,
-            "tokens": [tokens[k] for k in sorted(tokens)]}
+            "decode_itl_ms": 1e3 * statistics.fmean(decode_gaps), "mean_ttft_ms": 1e3 * statistics.fmean(ttft)}
 
 
 def control_plane(engines, mode):
@@ -231,7 +243,7 @@ def reset(engines, app_names) -> None:
 
 
 def summarise(runs: dict) -> dict:
-    metrics = ["mean_itl_ms", "p99_itl_ms", "mean_ttft_ms", "throughput_tok_s"]
+    metrics = ["mean_itl_ms", "p99_itl_ms", "mean_ttft_ms", "throughput_tok_s", "decode_itl_ms"]
     summary = {}
     native = {m: [r[m] for r in runs["native"]] for m in metrics}
     for mode, repeats in runs.items():

@@ -44,7 +44,7 @@ def test_harness_runs_every_mode_and_the_modes_do_what_they_claim(tmp_path):
     assert set(decode["summary"]) == set(serving.MODES)
     for mode, row in decode["summary"].items():
         assert len(decode["runs"][mode]) == 2
-        for metric in ("mean_itl_ms", "p99_itl_ms", "mean_ttft_ms", "throughput_tok_s"):
+        for metric in ("mean_itl_ms", "p99_itl_ms", "mean_ttft_ms", "throughput_tok_s", "decode_itl_ms"):
             assert row[metric]["median"] > 0 and row[metric]["min"] <= row[metric]["median"] <= row[metric]["max"]
         assert row["mean_itl_ms"]["ratio_to_native"] == row["mean_itl_ms"]["median"] / \
             decode["summary"]["native"]["mean_itl_ms"]["median"]
@@ -76,6 +76,17 @@ def test_harness_runs_every_mode_and_the_modes_do_what_they_claim(tmp_path):
         runs = zip(decode["runs"][mode], decode["runs"]["native"])
         ratios = [r["mean_itl_ms"] / n["mean_itl_ms"] for r, n in runs]
         assert row["mean_itl_ms"]["paired_ratio"] == pytest.approx(sum(ratios) / 2)  # the median of two
+
+
+def test_latencies_count_the_decode_window_from_the_last_first_token():
+    """The decode window's ITL leaves out the gaps that start before every request has its first
+    token (steps that may hold a prefill chunk); a step bringing n tokens counts n gaps of 1/n."""
+    times = {"a": [(1.0, 1), (1.5, 1), (3.0, 1), (3.1, 1)],  # its 1.0 -> 1.5 gap ends before b's first token
+             "b": [(2.5, 1), (3.0, 2)]}
+    got = serving.latencies(times, start=0.5)
+    assert got["mean_ttft_ms"] == pytest.approx(1e3 * (0.5 + 2.0) / 2)
+    assert got["mean_itl_ms"] == pytest.approx(1e3 * (0.5 + 1.5 + 0.1 + 0.25 + 0.25) / 5)
+    assert got["decode_itl_ms"] == pytest.approx(1e3 * (0.1 + 0.25 + 0.25) / 3)  # gaps from 3.0 and 2.5 on
 
 
 def test_the_profile_counts_every_kernel_of_xmix_lens():

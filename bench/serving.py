@@ -17,10 +17,11 @@ mean time to first token, total token throughput (prompt + output tokens / wall 
 xmix-lens engines the control plane's host time per step (`host_ms_per_step`, ControlPlane.prepare_step);
 and the mean ITL of the decode window (`decode_itl_ms`: gaps that start once every request has its
 first token, so that no step holds a prefill chunk, whose interleaving makes the whole run's ITL vary).
-With --profile, a decode step of each workload is profiled on native vLLM and with the seven apps
-active: every CUDA kernel's time and launches, xmix-lens's own and the step's total, and on the
-host the step's wall time and the CUDA runtime calls (those inside prepare_step apart); and each
-installed op's kernel at each workload's decode batch against its floor (bench/kernels.py).
+With --profile, decode steps and the prefill step (what TTFT is made of) of each workload are
+profiled on native vLLM and with the seven apps active: every CUDA kernel's time and launches,
+xmix-lens's own and the step's total, and on the host the step's wall time and the CUDA runtime
+calls (those inside prepare_step apart); and each installed op's kernel at each workload's decode
+batch against its floor (bench/kernels.py).
 """
 import argparse
 import os
@@ -266,7 +267,7 @@ def summarise(runs: dict) -> dict:
     return summary
 
 
-PROFILED_PROMPT_LEN, PROFILED_STEPS = 16, 4
+PROFILED_PROMPT_LEN, PROFILED_STEPS = 16, 4  # the decode steps profiled: after prompts this short
 # every Triton kernel in kernels/ (tests/test_bench.py checks the list against them)
 XMIX_KERNELS = ("affine_write_kernel", "affine_write_row_kernel", "gather_rows_kernel", "partial_products_kernel",
                 "program_kernel", "project_read_kernel", "project_read_row_kernel")
@@ -282,12 +283,14 @@ def idle_time(intervals: list[tuple[float, float]]) -> float:
     return idle
 
 
-def decode_step_profile(llm, prompts, control=None) -> dict:
-    """A profiled, graph-replayed decode step: per CUDA kernel name, launches and device time (the
-    step's total and xmix-lens's share); on the host, the step's wall time and the CUDA runtime
-    calls by name (a long cudaMemcpyAsync or a synchronize is the host waiting for the GPU), also
-    those made inside the control plane's `prepare_step` (`control`: the engine's); and the GPU's
-    idle time a step (`gpu_idle_us`: no kernel or copy running), which host work that vLLM's
+def step_profile(llm, prompts, control=None, prefill=False) -> dict:
+    """Profiled steps: decode steps (graph-replayed on a GPU; prompts cut to PROFILED_PROMPT_LEN,
+    so that the whole batch prefills in the first step), or with `prefill` the first step of the
+    whole prompts (their prefill, or its first chunk). Per CUDA kernel name, launches and device
+    time (the step's total and xmix-lens's share); on the host, the step's wall time and the CUDA
+    runtime calls by name (a long cudaMemcpyAsync or a synchronize is the host waiting for the GPU),
+    also those made inside the control plane's `prepare_step` (`control`: the engine's); and the
+    GPU's idle time a step (`gpu_idle_us`: no kernel or copy running), which host work that vLLM's
     scheduling does not overlap with the GPU adds to."""
     from torch.profiler import ProfilerActivity, profile, record_function
     from vllm import SamplingParams
@@ -295,9 +298,11 @@ def decode_step_profile(llm, prompts, control=None) -> dict:
 
     engine = llm.llm_engine
     params = SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.0, detokenize=False)
-    for i, p in enumerate(prompts):  # short prompts: the whole batch prefills in the first step
-        engine.add_request(f"profile-{i}", TokensPrompt(prompt_token_ids=p[:PROFILED_PROMPT_LEN]), params)
-    for _ in range(3):  # the prefill, and the first decode steps
+    prompt_len = max(len(p) for p in prompts) if prefill else PROFILED_PROMPT_LEN
+    steps = 1 if prefill else PROFILED_STEPS
+    for i, p in enumerate(prompts):
+        engine.add_request(f"profile-{i}", TokensPrompt(prompt_token_ids=p[:prompt_len]), params)
+    for _ in range(0 if prefill else 3):  # the prefill, and the first decode steps
         engine.step()
     gpu = torch.cuda.is_available()
     if gpu:
@@ -311,7 +316,7 @@ def decode_step_profile(llm, prompts, control=None) -> dict:
     try:
         with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * gpu) as prof:
             started = time.perf_counter()
-            for _ in range(PROFILED_STEPS):  # decode steps: FULL graph replays on a GPU
+            for _ in range(steps):
                 engine.step()
             if gpu:
                 torch.cuda.synchronize()
@@ -327,26 +332,26 @@ def decode_step_profile(llm, prompts, control=None) -> dict:
     for e in events:
         if e.device_type.name == "CUDA" and e.name != "xmix.prepare_step":  # the label's GPU range: no kernel
             k = kernels.setdefault(e.name, {"launches": 0, "us": 0.0})
-            k["launches"] += 1 / PROFILED_STEPS
-            k["us"] += e.device_time / PROFILED_STEPS
+            k["launches"] += 1 / steps
+            k["us"] += e.device_time / steps
         elif e.name.startswith("cuda"):  # a CUDA runtime call, on the host
             inside = any(a <= e.time_range.start and e.time_range.end <= b for a, b in windows)
             for table in (calls, in_prepare) if inside else (calls,):
                 c = table.setdefault(e.name, {"calls": 0, "us": 0.0, "max_us": 0.0})
-                c["calls"] += 1 / PROFILED_STEPS
-                c["us"] += e.time_range.elapsed_us() / PROFILED_STEPS
+                c["calls"] += 1 / steps
+                c["us"] += e.time_range.elapsed_us() / steps
                 c["max_us"] = max(c["max_us"], e.time_range.elapsed_us())
     total = sum(k["us"] for k in kernels.values())
     ours = sum(k["us"] for name, k in kernels.items() if name in XMIX_KERNELS)
-    host = {"step_wall_us": 1e6 * wall / PROFILED_STEPS, "runtime_calls": calls}
+    host = {"step_wall_us": 1e6 * wall / steps, "runtime_calls": calls}
     if gpu:  # whether the host keeps the GPU waiting: its idle time between the window's first and last kernel
         busy = [(e.time_range.start, e.time_range.end) for e in events
                 if e.device_type.name == "CUDA" and e.name != "xmix.prepare_step"]
-        host["gpu_idle_us"] = idle_time(busy) / PROFILED_STEPS
+        host["gpu_idle_us"] = idle_time(busy) / steps
     if windows:
-        host["prepare_step_us"] = sum(b - a for a, b in windows) / PROFILED_STEPS
+        host["prepare_step_us"] = sum(b - a for a, b in windows) / steps
         host["runtime_calls_in_prepare_step"] = in_prepare
-    return {"requests": len(prompts), "prompt_len": PROFILED_PROMPT_LEN, "per_step_of": PROFILED_STEPS,
+    return {"requests": len(prompts), "prompt_len": prompt_len, "per_step_of": steps,
             "step_gpu_us": total, "xmix_us": ours, "xmix_share": ours / total if total else None, "kernels": kernels,
             "host": host}
 
@@ -365,7 +370,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="every engine's TP ranks (GPUs)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.2)
     parser.add_argument("--profile", action="store_true",
-                        help="profile a decode step natively and with the seven apps (kernels, host calls)")
+                        help="profile decode and prefill steps natively and with seven apps (kernels, host calls)")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     modes = args.modes.split(",")
@@ -424,9 +429,11 @@ def main(argv=None) -> dict:
         if args.profile and "production" in engines:
             batch = prompts()
             profiled = result["workloads"][workload]
-            profiled["decode_step_native"] = decode_step_profile(engines["native"], batch)
+            profiled["decode_step_native"] = step_profile(engines["native"], batch)
+            profiled["prefill_step_native"] = step_profile(engines["native"], batch, prefill=True)
             llm = set_mode(engines, app_names, "seven")
-            profiled["decode_step_kernels"] = decode_step_profile(llm, batch, control_plane(engines, "seven"))
+            profiled["decode_step_kernels"] = step_profile(llm, batch, control_plane(engines, "seven"))
+            profiled["prefill_step_kernels"] = step_profile(llm, batch, control_plane(engines, "seven"), prefill=True)
             reset(engines, app_names)
         write_result(result, args.out)  # after each workload: a run cut short keeps what it measured
     return result

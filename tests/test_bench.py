@@ -58,9 +58,14 @@ def test_harness_runs_every_mode_and_the_modes_do_what_they_claim(tmp_path):
     assert all(r["steps"] == 0 for r in decode["runs"]["armed_idle"])  # no resident op: nothing to prepare
     assert "host_ms_per_step" not in decode["summary"]["native"]
     # the profiled decode steps: the control plane's time is inside the step's, and only with apps
-    native, seven = decode["decode_step_native"]["host"], decode["decode_step_kernels"]["host"]
-    assert "prepare_step_us" not in native and native["step_wall_us"] > 0
-    assert 0 < seven["prepare_step_us"] < seven["step_wall_us"]
+    for step in ("decode", "prefill"):
+        native, seven = decode[f"{step}_step_native"]["host"], decode[f"{step}_step_kernels"]["host"]
+        assert "prepare_step_us" not in native and native["step_wall_us"] > 0
+        assert 0 < seven["prepare_step_us"] < seven["step_wall_us"]
+    # the prefill step: one step over the whole prompts; the decode steps after short prompts
+    assert decode["prefill_step_kernels"]["per_step_of"] == 1
+    assert decode["prefill_step_kernels"]["prompt_len"] == decode["prompt_len"]
+    assert decode["decode_step_kernels"]["prompt_len"] == serving.PROFILED_PROMPT_LEN
     # every op of the seven apps timed at the decode batch, against the bytes it must move
     floors = result["kernel_floors"]["ops"]
     assert sorted({row["app"] for row in floors}) == sorted(result["apps"])

@@ -42,6 +42,7 @@ steps the engine runs without graphs: requests that select such an app make thei
 import hashlib
 import time
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -101,6 +102,16 @@ class ResidentApp:
 
     def info(self) -> AppInfo:
         return AppInfo(self.name, self.digest, any(op.step_values is not None for op in self.ops), self.version)
+
+
+class _Choices(NamedTuple):
+    """A step's requests' choices, made once and reused while neither they nor their requests change."""
+
+    version: int  # the plane's choices version they were made at
+    req_ids: list
+    bits: np.ndarray  # [requests] uint64: each request's active apps (bit i: the i-th installed app)
+    numbers: np.ndarray | None  # [requests]: each request's number in the read logs
+    serial: int  # one per _Choices made: equal serials, equal choices
 
 
 @dataclass
@@ -254,8 +265,8 @@ class ControlPlane:
         # the last step's requests and their masks and numbers, reused while neither changes
         self._choices_version = 0
         self._selected_sites: tuple | None = None  # (choices version, *selected_sites())
-        self._last_choices: tuple | None = None
-        self._choices_made = 0  # a serial number per choices tuple made
+        self._last_choices: _Choices | None = None
+        self._choices_made = 0
         # host time in prepare_step (a bench field: the control plane's work per step)
         self.host_seconds, self.host_steps = 0.0, 0
         self._bit: dict[str, int] = {}  # app name -> its bit in the per-request masks
@@ -491,16 +502,16 @@ class ControlPlane:
         query_start = np.asarray(query_start[: len(req_ids) + 1])
         layout = self._layout or self._make_layout()
         choices = self._choices(req_ids, need_numbers=len(layout.reads) > 0)
-        request_bits = choices[2]
+        request_bits = choices.bits
         if not request_bits.any() and self._idle:
             return  # the device rows are all -1 already (up to max_tokens): nothing to write
         # a step with no app resets every row (idle steps after it skip the copy); others the step's
         width = max(n_padded or n_tokens, n_tokens) if request_bits.any() else self.max_tokens
         # the rows follow from this (the same requests and choices, token counts and layout): in most
         # decode steps it is the step before's, whose rows `control` holds already
-        key = (choices[4], n_tokens, width, query_start.tobytes())
+        key = (choices.serial, n_tokens, width, query_start.tobytes())
         if self._in_control != key:
-            self._stage(layout, query_start, n_tokens, width, request_bits, choices[3], req_ids)
+            self._stage(layout, query_start, n_tokens, width, request_bits, choices.numbers, req_ids)
             self._in_control = key
         self._idle = not request_bits.any()
         read_ops, owners = self._read_owners
@@ -566,18 +577,17 @@ class ControlPlane:
                                [op for op in ops if op.tables])
         return self._layout
 
-    def _choices(self, req_ids: list[str], need_numbers: bool) -> tuple:
-        """(version, request ids, each request's active apps as a bit mask (bit i: the i-th installed
-        app), its number in the read logs, a serial number): the last step's tuple while its requests
-        and their choices are the same (most decode steps), else made by plain dict lookups per request."""
+    def _choices(self, req_ids: list[str], need_numbers: bool) -> _Choices:
+        """The last step's choices while its requests and their choices are the same (most decode
+        steps), else made by plain dict lookups per request."""
         last = self._last_choices
-        if last is not None and last[0] == self._choices_version and last[1] == req_ids:
+        if last is not None and last.version == self._choices_version and last.req_ids == req_ids:
             return last
         chosen, default = self._request_bits, self._default_bits
         bits = np.fromiter((chosen.get(r, default) for r in req_ids), dtype=np.uint64, count=len(req_ids))
         numbers = self._request_numbers(req_ids) if need_numbers else None
         self._choices_made += 1
-        self._last_choices = (self._choices_version, list(req_ids), bits, numbers, self._choices_made)
+        self._last_choices = _Choices(self._choices_version, list(req_ids), bits, numbers, self._choices_made)
         return self._last_choices
 
     def _request_numbers(self, req_ids: list[str]) -> np.ndarray:

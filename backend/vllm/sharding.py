@@ -106,8 +106,9 @@ class Placed:
 
 def place(op: LoweredOp, F: int, rank: int, world: int, resident: bool = False) -> Placed:
     """What rank `rank` runs for `op` at a sharded site of F features. A resident read runs as a
-    gather: it writes its step values at the rows of the live tokens, which the host does not know
-    when a CUDA graph replays, so its partial sums are not all-reduced in place."""
+    gather (built when a read's rows alternated between two ring slots, which a replayed CUDA graph
+    could not all-reduce in place; with one buffer of step values that reason is gone, and an
+    in-place all-reduce is not tried yet)."""
     p = plan(op, F, world)
     if resident and p.kind == "reduce":
         p = replace(p, kind="gather")

@@ -133,8 +133,10 @@ def build_engines(args, modes):
 def kv_capacity_tokens(engine) -> int:
     """How many tokens an engine's KV cache holds (a workload that needs more preempts requests,
     and their recomputation makes its timings vary from run to run)."""
-    llm = getattr(engine, "engine", None)
-    cache = (llm.llm if llm is not None else engine).llm_engine.vllm_config.cache_config
+    from xmix_lens import HookedServedModel
+
+    llm = engine.engine.llm if isinstance(engine, HookedServedModel) else engine
+    cache = llm.llm_engine.vllm_config.cache_config
     return cache.num_gpu_blocks * cache.block_size
 
 
@@ -201,7 +203,9 @@ def latencies(times: dict, start: float) -> dict:
                 decode_gaps += [(b - a) / n] * n
     gaps.sort()
     return {"mean_itl_ms": 1e3 * statistics.fmean(gaps), "p99_itl_ms": 1e3 * gaps[int(0.99 * (len(gaps) - 1))],
-            "decode_itl_ms": 1e3 * statistics.fmean(decode_gaps), "mean_ttft_ms": 1e3 * statistics.fmean(ttft)}
+            # none where the last request's first token is its last: NaN, not a run cut short
+            "decode_itl_ms": 1e3 * statistics.fmean(decode_gaps) if decode_gaps else float("nan"),
+            "mean_ttft_ms": 1e3 * statistics.fmean(ttft)}
 
 
 def control_plane(engines, mode):

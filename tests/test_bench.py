@@ -92,6 +92,8 @@ def test_latencies_count_the_decode_window_from_the_last_first_token():
     assert got["mean_ttft_ms"] == pytest.approx(1e3 * (0.5 + 2.0) / 2)
     assert got["mean_itl_ms"] == pytest.approx(1e3 * (0.5 + 1.5 + 0.1 + 0.25 + 0.25) / 5)
     assert got["decode_itl_ms"] == pytest.approx(1e3 * (0.1 + 0.25 + 0.25) / 3)  # gaps from 3.0 and 2.5 on
+    late = serving.latencies({"a": [(1.0, 1), (2.0, 1)], "b": [(2.0, 1)]}, start=0.0)  # b's first token is its last
+    assert late["mean_itl_ms"] == pytest.approx(1e3) and late["decode_itl_ms"] != late["decode_itl_ms"]  # NaN
 
 
 def test_the_profile_counts_every_kernel_of_xmix_lens():

@@ -34,7 +34,7 @@ def measure(model, device: torch.device, requests: int, steps: int, request_step
         plane.install(app.name, runtime._place_all(model._lower_app(app.name, app.fwd_hooks).ops, resident=True))
     names = [app.name for app in apps]
     query_start = np.arange(requests + 1)
-    positions = torch.arange(requests, device=device)
+    positions = np.arange(requests)  # on the host, as vLLM's runner gives them (adapter.host_positions)
     seconds, batch = [], 0
     for step in range(steps):
         if step % request_steps == 0:  # a new batch of requests; the last one's reads are taken

@@ -25,18 +25,19 @@ def resident_kernel_times(control, dtype: torch.dtype, token_counts, launches: i
     for entry in control.ops:
         if entry.retired:
             continue
-        F, outputs = site_width(entry.op), entry.step_values.shape[1] if entry.step_values is not None else 0
+        values = entry.step_values
+        F, outputs = site_width(entry.op), values.shape[1] if values is not None else 0
+        value_bytes = values.element_size() if values is not None else 0
         for T in token_counts:
             x = (0.1 * torch.randn(T, F, generator=gen)).to(device, dtype)
             every = torch.arange(T, dtype=torch.int32, device=device)
             tables = torch.zeros(T, dtype=torch.int32, device=device) if entry.tables else None
 
-            def launch(entry=entry, x=x, every=every, tables=tables):
-                values = entry.step_values
+            def launch(entry=entry, x=x, every=every, tables=tables, values=values):
                 control.executor.run(entry.op, x, every, tables, values, every if values is not None else None)
 
             us = _time(launch, device, launches, replays)
-            moved = T * F * x.element_size() * (1 if entry.step_values is not None else 2) + 4 * T * outputs + sum(
+            moved = T * F * x.element_size() * (1 if values is not None else 2) + value_bytes * T * outputs + sum(
                 t.numel() * t.element_size() for _, t in named_tensors(entry.op))
             floor = 1e6 * moved / H200_BYTES_PER_S
             rows.append({"app": entry.app, "op": describe(entry.op), "features": F, "outputs": outputs,

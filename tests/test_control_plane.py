@@ -339,14 +339,14 @@ def test_read_log_returns_each_requests_latest_values_across_chunks_and_recycles
     from xmix_lens.backend.vllm.control import ReadLog
 
     alive = {0, 1, 2, 3}
-    log = ReadLog(3, pin=False, alive=lambda: np.array(sorted(alive), dtype=np.int64))
+    log = ReadLog(3, torch.float32, pin=False, alive=lambda: np.array(sorted(alive), dtype=np.int64))
     log.chunk_rows = 8  # small chunks: steps cross them
     gen = torch.Generator().manual_seed(0)
     expected = {}
     for step in range(12):
         owner = torch.randint(-1, 4 if step == 0 else 3, (5,), generator=gen).numpy()  # 3: the first step only
         owner[0] = 3 if step == 0 else owner[0]
-        positions = torch.randint(0, 6, (5,), generator=gen)  # repeats: recomputed positions
+        positions = torch.randint(0, 6, (5,), generator=gen).numpy()  # repeats: recomputed positions
         values = torch.randn(5, 3, generator=gen)
         log.append(values, positions, owner)
         for o, p, v in zip(owner.tolist(), positions.tolist(), values):
@@ -505,3 +505,29 @@ def test_reads_of_requests_that_chose_nothing_are_kept_for_the_last_few(installe
         assert positions.tolist() == [0, 1, 2, 3] and values.shape == (4, 1)
     for r in kept:
         runtime._forget_served(r)
+
+
+def test_reads_positions_come_from_the_hosts_counts():
+    """A step's positions for the read logs, from the host's counts of computed tokens (vLLM's GPU
+    runner computes its device positions from the same counts): a prefill chunk, decode tokens and
+    a padded batch (padding tokens get no position), against each request's arange."""
+    from types import SimpleNamespace
+
+    from xmix_lens.backend.vllm.adapter import host_positions
+
+    computed, scheduled = [0, 17, 5, 40], [6, 1, 3, 1]
+    starts = np.concatenate([[0], np.cumsum(scheduled)]).astype(np.int32)
+    batch = SimpleNamespace(num_reqs=4, query_start_loc_np=np.append(starts, [11, 11]),  # padded rows after
+                            num_computed_tokens_np=np.array(computed + [0, 0], dtype=np.int32))
+    expected = torch.cat([torch.arange(c, c + s) for c, s in zip(computed, scheduled)])
+    assert host_positions(batch).tolist() == expected.tolist()
+
+
+def test_speculative_decoding_is_refused_as_the_engine_is_built():
+    """Its draft tokens' positions are not known on the host before the step: refused, naming the setting."""
+    from xmix_lens import HookedServedModel
+
+    with pytest.raises(ValueError, match="speculative decoding is not supported.*leave speculative_config unset"):
+        HookedServedModel.from_pretrained(str(tiny_llama()), enforce_eager=True, max_model_len=128, dtype="float32",
+                                          speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                                                              "prompt_lookup_max": 2})

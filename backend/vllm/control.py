@@ -20,17 +20,19 @@ parameters a later step has: between steps the host only writes buffers.
     (value - default) * slope, written when the request is selected.
 Nothing is recaptured, restarted or drained for any of these.
 
-Reads (the messenger): a read op writes each live token's value into its `step_values`, and the
-step's positions are copied beside them. When the next step is prepared, the host queues the copy
-of the finished step's rows into the op's read log (ReadLog: one host buffer per read op, pinned on
-a GPU, stream ordered and non-blocking), each row tagged with its request's number. One buffer is
-enough: that copy is queued on the stream before the next step's forward, which overwrites it.
-Per step that is two copies and one small numpy array per read op, whatever the number of
-requests: no Python object per request, step or token stays behind (the garbage
+Reads (the messenger): a read op writes each live token's value into its `step_values`, in the
+model's dtype. When the next step is prepared, the host queues the copy of the finished step's rows
+into the op's read log (ReadLog: one host buffer per read op, in the same dtype, pinned on a GPU,
+stream ordered and non-blocking: no conversion on the device), each row tagged with its request's
+number and its position (known on the host: vLLM computes the device's positions from the same
+counts). One buffer is enough: that copy is queued on the stream before the next step's forward,
+which overwrites it. Per step that is one copy and two small numpy arrays per read op, whatever the
+number of requests: no Python object per request, step or token stays behind (the garbage
 collector has nothing to walk). A request's values are gathered from the log once, when they are
 taken (`take_results`). A position computed twice (preemption recomputes a request; chunked
 prefill never does) keeps its latest value: nothing is lost or duplicated. Device memory, per
-engine: control 2 x MAX_RESIDENT_OPS x max_tokens int32, and per read op max_tokens x width fp32 (its step values).
+engine: control 2 x MAX_RESIDENT_OPS x max_tokens int32, and per read op max_tokens x width in the
+model's dtype (its step values).
 
 Most decode steps have the rows of the step before (the same requests, choices and token counts):
 then nothing is staged or copied, and the host's work is the reads' copies home.
@@ -68,7 +70,7 @@ class ResidentOp:
     site: int
     index: int  # its row of the control buffer
     op: LoweredOp
-    step_values: torch.Tensor | None = None  # reads: the step's values, [max_tokens, width] fp32 (row t: token t)
+    step_values: torch.Tensor | None = None  # reads: the step's values, [max_tokens, width] (row t: token t)
     log: "ReadLog | None" = None  # reads: every step's values on the host, until their requests take them
     captured: bool = False  # launched while a CUDA graph was being captured
     retired: bool = False  # its app was uninstalled; kept only because a captured graph launches it
@@ -121,6 +123,7 @@ class _Step:
     n_tokens: int
     read_ops: list  # the read ops on in the step (held: an uninstall before the copy home frees their rows)
     owners: np.ndarray  # [len(read_ops), n_tokens]: each token's request number, -1 where the op is off
+    positions: np.ndarray  # [n_tokens] int64: each token's position in its request
 
 
 @dataclass
@@ -140,8 +143,8 @@ CHUNK_BYTES = 4 << 20  # a read log's values come in chunks of about this size (
 
 @dataclass(eq=False)
 class _Chunk:
-    values: torch.Tensor  # [rows, width] fp32
-    positions: torch.Tensor  # [rows] int64
+    values: torch.Tensor  # [rows, width], the read's dtype
+    positions: np.ndarray  # [rows] int64
     owner: np.ndarray  # [rows] int64: the number of the request each row belongs to; -1: nobody's
     used: int = 0
 
@@ -149,8 +152,7 @@ class _Chunk:
 class ReadLog:
     """One read op's values of every step, on the host, until their requests take them.
 
-    Rows are appended a step at a time (a copy of values and one of positions per chunk the step
-    reaches), each tagged with the number of the request its token belongs to. A request's rows
+    Rows are appended a step at a time (a copy of values per chunk the step reaches), each tagged with the number of the request its token belongs to. A request's rows
     are found by one comparison over the tags when it takes them (`take`). When the log needs a
     chunk it first recycles its oldest ones whose rows are all nobody's or of requests no longer
     alive, so memory follows the reads not yet taken; copies into a recycled chunk are ordered
@@ -158,12 +160,12 @@ class ReadLog:
 
     RECYCLE_CHECKS = 4  # oldest chunks looked at when a chunk is needed
 
-    def __init__(self, width: int, pin: bool, alive):
-        self.width, self.pin, self.alive = width, pin, alive  # alive(): the numbers of requests alive
-        self.chunk_rows = max(256, min(65536, CHUNK_BYTES // (4 * width)))
+    def __init__(self, width: int, dtype: torch.dtype, pin: bool, alive):
+        self.width, self.dtype, self.pin, self.alive = width, dtype, pin, alive  # alive(): the numbers of requests alive
+        self.chunk_rows = max(256, min(65536, CHUNK_BYTES // (dtype.itemsize * width)))
         self.chunks: list[_Chunk] = []  # in the order they were filled (a recycled chunk goes last)
 
-    def append(self, values: torch.Tensor, positions: torch.Tensor, owner: np.ndarray) -> None:
+    def append(self, values: torch.Tensor, positions: np.ndarray, owner: np.ndarray) -> None:
         """Queue a step's copy (stream ordered: the values are there once the step's event is)."""
         done, n = 0, len(owner)
         while done < n:
@@ -171,7 +173,7 @@ class ReadLog:
             k = min(n - done, self.chunk_rows - chunk.used)
             rows = slice(chunk.used, chunk.used + k)
             chunk.values[rows].copy_(values[done:done + k], non_blocking=self.pin)
-            chunk.positions[rows].copy_(positions[done:done + k], non_blocking=self.pin)
+            chunk.positions[rows] = positions[done:done + k]
             chunk.owner[rows] = owner[done:done + k]
             chunk.used += k
             done += k
@@ -187,9 +189,8 @@ class ReadLog:
                 chunk.used = 0
                 break
         else:
-            chunk = _Chunk(_host_empty((self.chunk_rows, self.width), torch.float32, self.pin),
-                           _host_empty((self.chunk_rows,), torch.long, self.pin),
-                           np.full(self.chunk_rows, -1, dtype=np.int64))
+            chunk = _Chunk(_host_empty((self.chunk_rows, self.width), self.dtype, self.pin),
+                           np.zeros(self.chunk_rows, dtype=np.int64), np.full(self.chunk_rows, -1, dtype=np.int64))
         self.chunks.append(chunk)
         return chunk
 
@@ -201,7 +202,7 @@ class ReadLog:
             rows = np.flatnonzero(chunk.owner[:chunk.used] == number)
             if len(rows):
                 chunk.owner[rows] = -1
-                positions.append(chunk.positions.numpy()[rows])
+                positions.append(chunk.positions[rows])
                 # index_select, not advanced indexing: for 64 rows here 7 us either way, against 13 us
                 # on an idle 2-core host and 5 ms on a busy one (torch's intra-op threads)
                 values.append(chunk.values.index_select(0, torch.from_numpy(rows)))
@@ -231,6 +232,7 @@ class ControlPlane:
     comm: object = None  # a TP engine's collectives (sharding.TPCollectives), for ops placed as a gather
     delivers: bool = True  # whether this rank sends reads home (TP: rank 0 only)
     max_requests: int = 256  # requests running at once (vLLM's max_num_seqs): table rows besides the defaults
+    read_dtype: torch.dtype = torch.float32  # reads' values on the device and in the logs: the model's dtype
 
     def __post_init__(self):
         pin = self.device.type == "cuda"
@@ -256,7 +258,6 @@ class ControlPlane:
         self._in_control: tuple | None = None  # what the rows in `control` were made from (_prepare's key)
         self._read_owners: tuple = ([], None)  # the read ops on in those rows, and each token's request number
         self._copied_home = torch.cuda.Event() if pin else None  # after the last queued copy into the read logs
-        self.step_positions = torch.zeros(self.max_tokens, dtype=torch.long, device=self.device)
         self._unqueued: _Step | None = None  # the prepared step whose reads are not queued home yet
         self._pin = pin
         self._number: dict[str, int] = {}  # request id -> its number in the read logs
@@ -304,8 +305,8 @@ class ControlPlane:
                 entry = ResidentOp(name, site, free.pop(0), op, placed=placed, tables=tables)
                 if isinstance(op, (Read, GeneratedRead)):
                     width = int(np.prod(op.feature_shape, dtype=np.int64))
-                    entry.step_values = torch.zeros(self.max_tokens, width, device=self.device)
-                    entry.log = ReadLog(width, self._pin, self._alive_numbers) if self.delivers else None
+                    entry.step_values = torch.zeros(self.max_tokens, width, dtype=self.read_dtype, device=self.device)
+                    entry.log = ReadLog(width, self.read_dtype, self._pin, self._alive_numbers) if self.delivers else None
                 self.slots += [None] * (entry.index + 1 - len(self.slots))
                 self.slots[entry.index] = entry
                 self.by_site.setdefault(site, []).append(entry)
@@ -487,9 +488,10 @@ class ControlPlane:
         return bool(apps) and any(names & apps for names in [*self.selected.values(), self.defaults])
 
     # --- per step ---------------------------------------------------------------------------------
-    def prepare_step(self, req_ids: list[str], query_start, n_tokens: int, positions: torch.Tensor,
+    def prepare_step(self, req_ids: list[str], query_start, n_tokens: int, positions,
                      n_padded: int | None = None) -> None:
-        """Fill the control rows for the coming step and queue the previous step's reads home."""
+        """Fill the control rows for the coming step and queue the previous step's reads home.
+        `positions`: each token's position in its request, on the host (numpy or a CPU tensor)."""
         if not self.ops:
             return
         started = time.perf_counter()
@@ -516,8 +518,7 @@ class ControlPlane:
         self._idle = not request_bits.any()
         read_ops, owners = self._read_owners
         if read_ops:
-            self.step_positions[:n_tokens].copy_(positions[:n_tokens], non_blocking=True)
-            self._unqueued = _Step(n_tokens, read_ops, owners)
+            self._unqueued = _Step(n_tokens, read_ops, owners, np.array(positions[:n_tokens], dtype=np.int64))
 
     def _stage(self, layout, query_start, n_tokens, width, request_bits, numbers, req_ids) -> None:
         """A step's rows into `control` (staged on the host, one copy to the device), and the read ops
@@ -630,9 +631,8 @@ class ControlPlane:
         if step is None:
             return
         n = step.n_tokens
-        positions = self.step_positions[:n]
         for op, owner in zip(step.read_ops, step.owners):
-            op.log.append(op.step_values[:n], positions, owner)
+            op.log.append(op.step_values[:n], step.positions, owner)
         if self._pin:
             self._copied_home.record()
 

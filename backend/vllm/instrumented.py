@@ -78,6 +78,10 @@ class _Instrumented:
     family: str
 
     def _install(self, vllm_config) -> None:
+        if vllm_config.speculative_config is not None:
+            # a draft token's position is known on the host only once its acceptance is (adapter.host_positions)
+            raise ValueError("speculative decoding is not supported with xmix-lens hook points: its draft tokens "
+                             "run at positions not known before the step; leave speculative_config unset")
         hf_config = vllm_config.model_config.hf_config
         n_layers = hf_config.num_hidden_layers
         apps = configured_apps(vllm_config)

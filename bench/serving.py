@@ -15,8 +15,9 @@ Each repeat draws fresh random prompt ids, the same for every mode, and runs the
 (A B C ... A B C ...), after one warm-up run of each. Per run: mean and P99 inter-token latency,
 mean time to first token, total token throughput (prompt + output tokens / wall time), and on the
 xmix-lens engines the control plane's host time per step (`host_ms_per_step`, ControlPlane.prepare_step);
-and the mean ITL of the decode window (`decode_itl_ms`: gaps that start once every request has its
-first token, so that no step holds a prefill chunk, whose interleaving makes the whole run's ITL vary).
+and the mean and P99 ITL of the decode window (`decode_itl_ms`, `decode_p99_itl_ms`: gaps that start
+once every request has its first token, so that no step holds a prefill chunk, whose interleaving
+makes the whole run's ITL vary).
 With --profile, decode steps and the prefill step (what TTFT is made of) of each workload are
 profiled on native vLLM and with the seven apps active: every CUDA kernel's time and launches,
 xmix-lens's own and the step's total, and on the host the step's wall time and the CUDA runtime
@@ -201,11 +202,16 @@ def latencies(times: dict, start: float) -> dict:
             gaps += [(b - a) / n] * n
             if a >= last_first_token:
                 decode_gaps += [(b - a) / n] * n
-    gaps.sort()
-    return {"mean_itl_ms": 1e3 * statistics.fmean(gaps), "p99_itl_ms": 1e3 * gaps[int(0.99 * (len(gaps) - 1))],
-            # none where the last request's first token is its last: NaN, not a run cut short
+    # none in the decode window where the last request's first token is its last: NaN, not a run cut short
+    return {"mean_itl_ms": 1e3 * statistics.fmean(gaps), "p99_itl_ms": 1e3 * p99(gaps),
             "decode_itl_ms": 1e3 * statistics.fmean(decode_gaps) if decode_gaps else float("nan"),
+            "decode_p99_itl_ms": 1e3 * p99(decode_gaps) if decode_gaps else float("nan"),
             "mean_ttft_ms": 1e3 * statistics.fmean(ttft)}
+
+
+def p99(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[int(0.99 * (len(ordered) - 1))]
 
 
 def control_plane(engines, mode):
@@ -248,7 +254,7 @@ def reset(engines, app_names) -> None:
 
 
 def summarise(runs: dict) -> dict:
-    metrics = ["mean_itl_ms", "p99_itl_ms", "mean_ttft_ms", "throughput_tok_s", "decode_itl_ms"]
+    metrics = ["mean_itl_ms", "p99_itl_ms", "mean_ttft_ms", "throughput_tok_s", "decode_itl_ms", "decode_p99_itl_ms"]
     summary = {}
     native = {m: [r[m] for r in runs["native"]] for m in metrics}
     for mode, repeats in runs.items():

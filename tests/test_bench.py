@@ -44,7 +44,8 @@ def test_harness_runs_every_mode_and_the_modes_do_what_they_claim(tmp_path):
     assert set(decode["summary"]) == set(serving.MODES)
     for mode, row in decode["summary"].items():
         assert len(decode["runs"][mode]) == 2
-        for metric in ("mean_itl_ms", "p99_itl_ms", "mean_ttft_ms", "throughput_tok_s", "decode_itl_ms"):
+        for metric in ("mean_itl_ms", "p99_itl_ms", "mean_ttft_ms", "throughput_tok_s", "decode_itl_ms",
+                       "decode_p99_itl_ms"):
             assert row[metric]["median"] > 0 and row[metric]["min"] <= row[metric]["median"] <= row[metric]["max"]
         assert row["mean_itl_ms"]["ratio_to_native"] == row["mean_itl_ms"]["median"] / \
             decode["summary"]["native"]["mean_itl_ms"]["median"]
@@ -92,6 +93,9 @@ def test_latencies_count_the_decode_window_from_the_last_first_token():
     assert got["mean_ttft_ms"] == pytest.approx(1e3 * (0.5 + 2.0) / 2)
     assert got["mean_itl_ms"] == pytest.approx(1e3 * (0.5 + 1.5 + 0.1 + 0.25 + 0.25) / 5)
     assert got["decode_itl_ms"] == pytest.approx(1e3 * (0.1 + 0.25 + 0.25) / 3)  # gaps from 3.0 and 2.5 on
+    # the P99 is the gap of rank int(0.99 (n - 1)) in order: the 4th of 5, the 2nd of 3
+    assert got["p99_itl_ms"] == pytest.approx(1e3 * 0.5)
+    assert got["decode_p99_itl_ms"] == pytest.approx(1e3 * 0.25)
     late = serving.latencies({"a": [(1.0, 1), (2.0, 1)], "b": [(2.0, 1)]}, start=0.0)  # b's first token is its last
     assert late["mean_itl_ms"] == pytest.approx(1e3) and late["decode_itl_ms"] != late["decode_itl_ms"]  # NaN
 

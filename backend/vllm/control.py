@@ -131,7 +131,7 @@ class _Layout:
     """The resident ops as arrays, for preparing a step in a few numpy operations whatever their
     number (made again after an install or an uninstall)."""
 
-    rows: torch.Tensor | slice  # the control rows of the ops not retired ([n] long; a slice where consecutive)
+    rows: np.ndarray | slice  # the control rows of the ops not retired ([n] int64; a slice where consecutive)
     shifts: np.ndarray  # [n, 1] uint64: each op's app bit
     reads: np.ndarray  # positions in `rows` of the ops with a read log
     read_ops: list  # those ops
@@ -246,8 +246,11 @@ class ControlPlane:
         # copy from a strided pinned view would go through pageable memory, and such a copy waits
         # for the GPU to finish everything queued before it (the step in flight). Staging buffers
         # take turns (device="cpu" explicitly: vLLM builds the model under a default-device context).
+        # They are written through numpy views: a torch op on the host may hand its work to torch's
+        # intra-op threads, whose wake-up in a busy engine process cost milliseconds a step.
         self._staging = [torch.empty(MAX_RESIDENT_OPS * 2 * self.max_tokens, dtype=torch.int32, device="cpu",
                                      pin_memory=pin) for _ in range(STAGING_BUFFERS)]
+        self._staging_np = [buffer.numpy() for buffer in self._staging]
         self._landing = torch.empty(MAX_RESIDENT_OPS * 2 * self.max_tokens, dtype=torch.int32, device=self.device)
         self._staged_count = 0
         # made once and recorded again each time (no object per step)
@@ -529,7 +532,7 @@ class ControlPlane:
             self._staged_events[turn].synchronize()  # its copy from two stagings ago is long done
         rows_used = len(self.slots)
         size = rows_used * 2 * width
-        staging = self._staging[turn][:size].view(rows_used, 2, width)
+        staging = self._staging_np[turn][:size].reshape(rows_used, 2, width)
         shape = (rows_used, width, n_tokens)
         if self._staged_shape[turn] != shape or self._staged_layout[turn] is not layout:
             # what no step of this shape and layout writes below: -1 past the tokens and in rows of
@@ -541,7 +544,7 @@ class ControlPlane:
         token_bits = np.repeat(request_bits, per_request)
         tokens = np.arange(n_tokens, dtype=np.int32)
         on = (token_bits[None, :] >> layout.shifts) & 1 == 1  # [ops, tokens]: whether the op runs on the token
-        staging[layout.rows, ROWS, :n_tokens] = torch.from_numpy(np.where(on, tokens, -1))
+        staging[layout.rows, ROWS, :n_tokens] = np.where(on, tokens, -1)
         for op in layout.table_ops:  # each token's table row: its request's own, else 0 (the defaults)
             if not self._slot:
                 staging[op.index, TABLE, :n_tokens] = 0
@@ -549,7 +552,7 @@ class ControlPlane:
             own = np.fromiter((slot if op.app in apps else 0
                                for slot, apps in (self._slot.get(r, (0, ())) for r in req_ids)),
                               dtype=np.int32, count=len(req_ids))
-            staging[op.index, TABLE, :n_tokens] = torch.from_numpy(np.repeat(own, per_request))
+            staging[op.index, TABLE, :n_tokens] = np.repeat(own, per_request)
         # launches read rows [:T], T (x's tokens, padding included) <= width: the rest may be stale
         landing = self._landing[:size]
         landing.copy_(self._staging[turn][:size], non_blocking=self._pin)
@@ -572,7 +575,7 @@ class ControlPlane:
         indices = [op.index for op in ops]
         consecutive = indices == list(range(indices[0], indices[0] + len(indices))) if indices else False
         self._layout = _Layout(slice(indices[0], indices[-1] + 1) if consecutive
-                               else torch.tensor(indices, dtype=torch.long, device="cpu"),
+                               else np.array(indices, dtype=np.int64),
                                np.array([self._bit[op.app] for op in ops], dtype=np.uint64).reshape(-1, 1),
                                np.array(reads, dtype=np.int64), [ops[i] for i in reads],
                                [op for op in ops if op.tables])

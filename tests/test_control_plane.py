@@ -524,10 +524,17 @@ def test_reads_positions_come_from_the_hosts_counts():
 
 
 def test_speculative_decoding_is_refused_as_the_engine_is_built():
-    """Its draft tokens' positions are not known on the host before the step: refused, naming the setting."""
+    """Its draft tokens' positions are not known on the host before the step: refused, naming the
+    setting. vLLM's own engines (the plugin loaded, nothing armed) still decode speculatively."""
+    from vllm import LLM, SamplingParams
+
     from xmix_lens import HookedServedModel
 
+    speculative = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}
     with pytest.raises(ValueError, match="speculative decoding is not supported.*leave speculative_config unset"):
         HookedServedModel.from_pretrained(str(tiny_llama()), enforce_eager=True, max_model_len=128, dtype="float32",
-                                          speculative_config={"method": "ngram", "num_speculative_tokens": 2,
-                                                              "prompt_lookup_max": 2})
+                                          speculative_config=speculative)
+    llm = LLM(model=str(tiny_llama()), enforce_eager=True, max_model_len=128, dtype="float32", skip_tokenizer_init=True,
+              speculative_config=speculative)
+    out = llm.generate([{"prompt_token_ids": [1, 2, 3, 1, 2, 3, 1, 2]}], SamplingParams(max_tokens=4, detokenize=False))
+    assert len(out[0].outputs[0].token_ids) == 4

@@ -152,8 +152,9 @@ class _Chunk:
 class ReadLog:
     """One read op's values of every step, on the host, until their requests take them.
 
-    Rows are appended a step at a time (a copy of values per chunk the step reaches), each tagged with the number of the request its token belongs to. A request's rows
-    are found by one comparison over the tags when it takes them (`take`). When the log needs a
+    Rows are appended a step at a time (a copy of values per chunk the step reaches), each tagged
+    with the number of the request its token belongs to and its position. A request's rows are
+    found by one comparison over the tags when it takes them (`take`). When the log needs a
     chunk it first recycles its oldest ones whose rows are all nobody's or of requests no longer
     alive, so memory follows the reads not yet taken; copies into a recycled chunk are ordered
     after those it held (one stream), so nothing waits."""

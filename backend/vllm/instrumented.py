@@ -78,15 +78,15 @@ class _Instrumented:
     family: str
 
     def _install(self, vllm_config) -> None:
-        if vllm_config.speculative_config is not None:
-            # a draft token's position is known on the host only once its acceptance is (adapter.host_positions)
-            raise ValueError("speculative decoding is not supported with xmix-lens hook points: its draft tokens "
-                             "run at positions not known before the step; leave speculative_config unset")
         hf_config = vllm_config.model_config.hf_config
         n_layers = hf_config.num_hidden_layers
         apps = configured_apps(vllm_config)
         compiled = {point for _, ops, _ in apps for point in ops}  # the sites CUDA graphs need (sites.py)
         armed = armed_sites(vllm_config, self.family, n_layers) | compiled
+        if armed and vllm_config.speculative_config is not None:  # (an engine with none is vLLM's own)
+            # a draft token's position is known on the host only once its acceptance is (adapter.host_positions)
+            raise ValueError("speculative decoding is not supported with xmix-lens hook points: its draft tokens "
+                             "run at positions not known before the step; leave speculative_config unset")
         active = ActiveSites()
         names = install_sites(self, self.family, n_layers, armed, compiled, active)
         world = get_tensor_model_parallel_world_size()

@@ -34,7 +34,7 @@ def measure(model, device: torch.device, requests: int, steps: int, request_step
         plane.install(app.name, runtime._place_all(model._lower_app(app.name, app.fwd_hooks).ops, resident=True))
     names = [app.name for app in apps]
     query_start = np.arange(requests + 1)
-    positions = np.arange(requests)  # on the host, as vLLM's runner gives them (adapter.host_positions)
+    first_positions = np.arange(requests)  # each request's computed tokens, on the host as vLLM's runner keeps them
     seconds, batch = [], 0
     for step in range(steps):
         if step % request_steps == 0:  # a new batch of requests; the last one's reads are taken
@@ -46,7 +46,7 @@ def measure(model, device: torch.device, requests: int, steps: int, request_step
                 plane.select(f"{batch}-{r}", names)
             ids, batch = [f"{batch}-{r}" for r in range(requests)], batch + 1
         started = time.perf_counter()
-        plane.prepare_step(ids, query_start, requests, positions)
+        plane.prepare_step(ids, query_start, requests, first_positions)
         seconds.append(time.perf_counter() - started)
     return 1e3 * statistics.fmean(seconds[len(seconds) // 5:])
 

@@ -191,8 +191,8 @@ def run_once(llm, prompts, out_len) -> dict:
 
 
 def latencies(times: dict, start: float) -> dict:
-    """Mean and P99 ITL, mean TTFT, and the decode window's mean ITL (gaps that start once every
-    request has its first token: no step of it holds a prefill chunk) from each request's
+    """Mean and P99 ITL, mean TTFT, and the decode window's mean and P99 ITL (gaps that start once
+    every request has its first token: no step of it holds a prefill chunk) from each request's
     [(time, new tokens)], in ms."""
     ttft = [t[0][0] - start for t in times.values()]
     last_first_token = max(t[0][0] for t in times.values())

@@ -214,12 +214,12 @@ def test_messenger_under_chunked_prefill_and_preemption(served, small_steps):
     rows = [model.to_tokens(p)[0].tolist() for p in prompts]
     plan = PassPlan(rows, [0] * len(rows), model._trace_hooks(len(rows), max(map(len, rows))), None, 120,
                     {"temperature": 0.0, "ignore_eos": True}, [("probe",)] * len(rows))
-    positions_seen = []
+    tokens_run = []  # a step's tokens: positions computed, recomputed ones included
     prepare = model.engine.runtime.control.prepare_step
 
-    def counting(req_ids, query_start, n_tokens, positions, n_padded=None):
-        positions_seen.extend(positions[:n_tokens].tolist())
-        prepare(req_ids, query_start, n_tokens, positions, n_padded)
+    def counting(req_ids, query_start, n_tokens, first_positions, n_padded=None):
+        tokens_run.append(n_tokens)
+        prepare(req_ids, query_start, n_tokens, first_positions, n_padded)
 
     model.engine.runtime.control.prepare_step = counting
     try:
@@ -236,7 +236,7 @@ def test_messenger_under_chunked_prefill_and_preemption(served, small_steps):
         _, cache = reference.run_with_cache(torch.tensor([sequence[:-1]]), names_filter="blocks.1.hook_resid_post")
         expected = cache["blocks.1.hook_resid_post"][0] @ w
         assert (values[:, 0] - expected).abs().max() < 1e-3
-    assert len(positions_seen) > sum(len(r) for r in rows) + sum(map(len, generated)) - len(rows), \
+    assert sum(tokens_run) > sum(len(r) for r in rows) + sum(map(len, generated)) - len(rows), \
         "no position was computed twice: the engine did not preempt"
 
 
@@ -388,7 +388,7 @@ def test_uninstalling_a_reading_app_before_its_last_step_goes_home_is_safe(serve
 
     first = install("first-probe")
     plane.select("r0", ["first-probe"])
-    plane.prepare_step(["r0"], [0, 3], 3, torch.arange(3))
+    plane.prepare_step(["r0"], [0, 3], 3, [0])
     first.ops[0].step_values[:3] = torch.tensor([[1.0], [2.0], [3.0]])  # what the step's launch wrote
     plane.uninstall("first-probe")
     second = install("second-probe")  # takes the freed control row
@@ -418,7 +418,7 @@ def test_a_control_plane_made_under_a_default_device_keeps_its_staging_on_the_ho
     plane.select("r0", ["probe"])
     for step in range(3):  # both staging buffers, and the first again
         order, expected = (["r1", "r0"], [-1, -1, 2, 3, 4]) if step % 2 == 0 else (["r0", "r1"], [0, 1, 2, -1, -1])
-        plane.prepare_step(order, [0, 2, 5] if step % 2 == 0 else [0, 3, 5], 5, torch.arange(5))
+        plane.prepare_step(order, [0, 2, 5] if step % 2 == 0 else [0, 3, 5], 5, [0, 0])
         assert plane.control[op.index, ROWS, :5].tolist() == expected  # r0's tokens only
 
 
@@ -450,15 +450,15 @@ def test_steps_with_the_rows_of_the_step_before_copy_nothing_and_lose_no_read(se
     for step, (ids, counts) in enumerate(steps):
         query_start = np.concatenate([[0], np.cumsum(counts)])
         n = int(query_start[-1])
-        positions = torch.cat([torch.arange(c) + computed[r] for r, c in zip(ids, counts)])
+        first_positions = [computed[r] for r in ids]  # what vLLM's runner keeps on the host
         for r, c in zip(ids, counts):
             computed[r] += c
-        plane.prepare_step(ids, query_start, n, positions)
+        plane.prepare_step(ids, query_start, n, first_positions)
         staged.append(plane._staged_count)
         fresh = plane_with_apps()
         for r, names in choices.items():
             fresh.select(r, names)
-        fresh.prepare_step(ids, query_start, n, positions)
+        fresh.prepare_step(ids, query_start, n, first_positions)
         rows_used = len(plane.slots)
         assert torch.equal(plane.control[:rows_used, :, :n], fresh.control[:rows_used, :, :n]), step
         values = plane.apps["probe"].ops[0].step_values
@@ -473,7 +473,7 @@ def test_steps_with_the_rows_of_the_step_before_copy_nothing_and_lose_no_read(se
                 start = sum(counts[:ids.index(r)])
                 expected += [100 * step + start + t for t in range(counts[ids.index(r)])]
         assert got_values[:, 0].tolist() == expected, r
-        assert got_positions.tolist() == list(range(len(expected)))
+        assert got_positions.tolist() == list(range(len(expected)))  # across the prefill chunk and decode steps
 
 
 def test_reads_of_requests_that_chose_nothing_are_kept_for_the_last_few(installed, monkeypatch):
@@ -507,22 +507,6 @@ def test_reads_of_requests_that_chose_nothing_are_kept_for_the_last_few(installe
         runtime._forget_served(r)
 
 
-def test_reads_positions_come_from_the_hosts_counts():
-    """A step's positions for the read logs, from the host's counts of computed tokens (vLLM's GPU
-    runner computes its device positions from the same counts): a prefill chunk, decode tokens and
-    a padded batch (padding tokens get no position), against each request's arange."""
-    from types import SimpleNamespace
-
-    from xmix_lens.backend.vllm.adapter import host_positions
-
-    computed, scheduled = [0, 17, 5, 40], [6, 1, 3, 1]
-    starts = np.concatenate([[0], np.cumsum(scheduled)]).astype(np.int32)
-    batch = SimpleNamespace(num_reqs=4, query_start_loc_np=np.append(starts, [11, 11]),  # padded rows after
-                            num_computed_tokens_np=np.array(computed + [0, 0], dtype=np.int32))
-    expected = torch.cat([torch.arange(c, c + s) for c, s in zip(computed, scheduled)])
-    assert host_positions(batch).tolist() == expected.tolist()
-
-
 def test_speculative_decoding_is_refused_as_the_engine_is_built():
     """Its draft tokens' positions are not known on the host before the step: refused, naming the
     setting. vLLM's own engines (the plugin loaded, nothing armed) still decode speculatively."""
@@ -538,3 +522,23 @@ def test_speculative_decoding_is_refused_as_the_engine_is_built():
               speculative_config=speculative)
     out = llm.generate([{"prompt_token_ids": [1, 2, 3, 1, 2, 3, 1, 2]}], SamplingParams(max_tokens=4, detokenize=False))
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_reads_are_kept_in_the_model_dtype(served):
+    """A bf16 engine's reads: step values and read log in bf16 (a float32 log made the GPU convert
+    every step's values before copying them home), the taken values those the launch wrote."""
+    from xmix_lens.backend.vllm.control import ControlPlane
+
+    model = served[MODEL]
+    w, kept = vector(model.cfg.d_model, 8), {}
+    lowered = model._lower_app("probe", [("blocks.1.hook_resid_post", lambda act, hook: kept.update(s=act @ w))])
+    plane = ControlPlane(torch.device("cpu"), 64, read_dtype=torch.bfloat16)
+    op = plane.install("probe", model.engine.runtime._place_all(lowered.ops, resident=True)).ops[0]
+    plane.select("r0", ["probe"])
+    plane.prepare_step(["r0"], [0, 3], 3, [5])
+    written = torch.tensor([[1.5], [-2.25], [1e3 + 1]], dtype=torch.bfloat16)  # 1001 rounds to 1000 in bf16
+    op.step_values[:3] = written
+    plane.drain()
+    positions, values = plane.take_results("r0")[("probe", op.op.key)]
+    assert op.step_values.dtype == values.dtype == torch.bfloat16
+    assert torch.equal(values, written) and positions.tolist() == [5, 6, 7]

@@ -3,7 +3,6 @@ import dataclasses
 import sys
 from types import SimpleNamespace
 
-import numpy as np
 import torch
 
 from vllm.forward_context import get_forward_context, is_forward_context_available
@@ -163,24 +162,16 @@ def _keep_gpu_batches(runner, runtime) -> None:
     def prepare_and_keep(*args, **kwargs):
         runner.xmix_input_batch = batch = prepare(*args, **kwargs)
         n = batch.num_reqs
+        # each request's first position in the step is its count of computed tokens (the runner makes
+        # `batch.positions` on the device from the same counts; exact without draft tokens: engines
+        # with speculative decoding are refused as the model is built)
         runtime.control.prepare_step(batch.req_ids[:n], batch.query_start_loc_np[: n + 1], batch.num_tokens,
-                                     host_positions(batch), batch.num_tokens_after_padding)
+                                     batch.num_computed_tokens_np[:n], batch.num_tokens_after_padding)
         return batch
 
     runner.xmix_input_batch = None
     runner.prepare_inputs = prepare_and_keep
     runtime.runner_prepares_steps = True
-
-
-def host_positions(batch) -> np.ndarray:
-    """Each token's position in its request, from the host's counts of computed tokens: the runner
-    computes `batch.positions` on the device from the same counts (exact without draft tokens:
-    engines with speculative decoding are refused as the model is built), so reads need no copy
-    of them."""
-    n = batch.num_reqs
-    starts = batch.query_start_loc_np[: n + 1].astype(np.int64)
-    first = batch.num_computed_tokens_np[:n].astype(np.int64) - starts[:-1]  # position minus token index
-    return np.repeat(first, np.diff(starts)) + np.arange(starts[-1], dtype=np.int64)
 
 
 def _eager_steps_when_needed(runner, runtime) -> None:

@@ -24,8 +24,8 @@ Reads (the messenger): a read op writes each live token's value into its `step_v
 model's dtype. When the next step is prepared, the host queues the copy of the finished step's rows
 into the op's read log (ReadLog: one host buffer per read op, in the same dtype, pinned on a GPU,
 stream ordered and non-blocking: no conversion on the device), each row tagged with its request's
-number and its position (known on the host: vLLM computes the device's positions from the same
-counts). One buffer is enough: that copy is queued on the stream before the next step's forward,
+number and its position (known on the host: vLLM computes the device's positions from each
+request's computed tokens, which it keeps there too). One buffer is enough: that copy is queued on the stream before the next step's forward,
 which overwrites it. Per step that is one copy and two small numpy arrays per read op, whatever the
 number of requests: no Python object per request, step or token stays behind (the garbage
 collector has nothing to walk). A request's values are gathered from the log once, when they are
@@ -247,8 +247,9 @@ class ControlPlane:
         # copy from a strided pinned view would go through pageable memory, and such a copy waits
         # for the GPU to finish everything queued before it (the step in flight). Staging buffers
         # take turns (device="cpu" explicitly: vLLM builds the model under a default-device context).
-        # They are written through numpy views: a torch op on the host may hand its work to torch's
-        # intra-op threads, whose wake-up in a busy engine process cost milliseconds a step.
+        # They are written through numpy views: with torch ops on these host tensors (which may hand
+        # large fills to torch's intra-op threads) a prefill step's preparation took 44 ms in the
+        # engine on the H200 under the profiler, 3.3 ms through numpy (docs/benchmarks.md, session 14).
         self._staging = [torch.empty(MAX_RESIDENT_OPS * 2 * self.max_tokens, dtype=torch.int32, device="cpu",
                                      pin_memory=pin) for _ in range(STAGING_BUFFERS)]
         self._staging_np = [buffer.numpy() for buffer in self._staging]
@@ -492,18 +493,19 @@ class ControlPlane:
         return bool(apps) and any(names & apps for names in [*self.selected.values(), self.defaults])
 
     # --- per step ---------------------------------------------------------------------------------
-    def prepare_step(self, req_ids: list[str], query_start, n_tokens: int, positions,
+    def prepare_step(self, req_ids: list[str], query_start, n_tokens: int, first_positions,
                      n_padded: int | None = None) -> None:
         """Fill the control rows for the coming step and queue the previous step's reads home.
-        `positions`: each token's position in its request, on the host (numpy or a CPU tensor)."""
+        `first_positions`: each request's position of its first token in the step, on the host
+        (its computed tokens: vLLM's runners keep them there); the tokens after it follow in order."""
         if not self.ops:
             return
         started = time.perf_counter()
-        self._prepare(req_ids, query_start, n_tokens, positions, n_padded)
+        self._prepare(req_ids, query_start, n_tokens, first_positions, n_padded)
         self.host_seconds += time.perf_counter() - started
         self.host_steps += 1
 
-    def _prepare(self, req_ids, query_start, n_tokens, positions, n_padded) -> None:
+    def _prepare(self, req_ids, query_start, n_tokens, first_positions, n_padded) -> None:
         self._queue_home()
         query_start = np.asarray(query_start[: len(req_ids) + 1])
         layout = self._layout or self._make_layout()
@@ -521,8 +523,11 @@ class ControlPlane:
             self._in_control = key
         self._idle = not request_bits.any()
         read_ops, owners = self._read_owners
-        if read_ops:
-            self._unqueued = _Step(n_tokens, read_ops, owners, np.array(positions[:n_tokens], dtype=np.int64))
+        if read_ops:  # each token's position: its request's first, plus its index past the request's start
+            starts = query_start[:-1].astype(np.int64)
+            positions = np.repeat(np.asarray(first_positions[: len(req_ids)], dtype=np.int64) - starts,
+                                  np.diff(query_start)) + np.arange(n_tokens, dtype=np.int64)
+            self._unqueued = _Step(n_tokens, read_ops, owners, positions)
 
     def _stage(self, layout, query_start, n_tokens, width, request_bits, numbers, req_ids) -> None:
         """A step's rows into `control` (staged on the host, one copy to the device), and the read ops

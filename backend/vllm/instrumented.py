@@ -84,7 +84,7 @@ class _Instrumented:
         compiled = {point for _, ops, _ in apps for point in ops}  # the sites CUDA graphs need (sites.py)
         armed = armed_sites(vllm_config, self.family, n_layers) | compiled
         if armed and vllm_config.speculative_config is not None:  # (an engine with none is vLLM's own)
-            # a draft token's position is known on the host only once its acceptance is (adapter.host_positions)
+            # a draft token's position is known on the host only once its acceptance is (control.prepare_step)
             raise ValueError("speculative decoding is not supported with xmix-lens hook points: its draft tokens "
                              "run at positions not known before the step; leave speculative_config unset")
         active = ActiveSites()

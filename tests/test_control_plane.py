@@ -519,9 +519,11 @@ def test_speculative_decoding_is_refused_as_the_engine_is_built():
         HookedServedModel.from_pretrained(str(tiny_llama()), enforce_eager=True, max_model_len=128, dtype="float32",
                                           speculative_config=speculative)
     llm = LLM(model=str(tiny_llama()), enforce_eager=True, max_model_len=128, dtype="float32", skip_tokenizer_init=True,
-              speculative_config=speculative)
+              speculative_config=speculative, num_gpu_blocks_override=16)  # a small KV cache: the suite's memory
     out = llm.generate([{"prompt_token_ids": [1, 2, 3, 1, 2, 3, 1, 2]}], SamplingParams(max_tokens=4, detokenize=False))
     assert len(out[0].outputs[0].token_ids) == 4
+    del llm
+    gc.collect()
 
 
 def test_reads_are_kept_in_the_model_dtype(served):

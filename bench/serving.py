@@ -14,12 +14,14 @@ Engines (all in-process, as the facade runs vLLM; one of each, built once):
 Each repeat draws fresh random prompt ids, the same for every mode, and runs the modes in turn
 (A B C ... A B C ...), after one warm-up run of each. Per run: mean and P99 inter-token latency,
 mean time to first token, total token throughput (prompt + output tokens / wall time), and on the
-xmix-lens engines the control plane's host time per step (`host_ms_per_step`, ControlPlane.prepare_step);
+xmix-lens engines the control plane's host time per step (`host_ms_per_step`, ControlPlane.prepare_step)
+and the host chunks its read logs made (`read_chunks_made`: pinned allocations on a GPU);
 and the mean and P99 ITL of the decode window (`decode_itl_ms`, `decode_p99_itl_ms`: gaps that start
 once every request has its first token, so that no step holds a prefill chunk, whose interleaving
 makes the whole run's ITL vary).
 With --profile, decode steps and the prefill step (what TTFT is made of) of each workload are
-profiled on native vLLM and with the seven apps active: every CUDA kernel's time and launches,
+profiled on native vLLM and with the seven apps active (decode steps also on the production
+engine with no app chosen: what installed-idle costs): every CUDA kernel's time and launches,
 xmix-lens's own and the step's total, and on the host the step's wall time and the CUDA runtime
 calls (those inside prepare_step apart); and each installed op's kernel at each workload's decode
 batch against its floor (bench/kernels.py).
@@ -226,11 +228,18 @@ def timed_run(engines, app_names, mode, prompts, out_len) -> dict:
     control = control_plane(engines, mode)
     if control is not None:
         control.host_seconds, control.host_steps = 0.0, 0
+        chunks_before = read_chunks_made(control)
     run = run_once(set_mode(engines, app_names, mode), prompts, out_len)
     if control is not None:
         run["host_ms_per_step"] = 1e3 * control.host_seconds / max(control.host_steps, 1)
         run["steps"] = control.host_steps
+        run["read_chunks_made"] = read_chunks_made(control) - chunks_before
     return run
+
+
+def read_chunks_made(control) -> int:
+    """The host chunks the engine's read logs have made (pinned allocations, on a GPU)."""
+    return sum(op.log.chunks_made for op in control.ops if op.log is not None)
 
 
 def set_mode(engines, app_names, mode):
@@ -441,6 +450,8 @@ def main(argv=None) -> dict:
             profiled = result["workloads"][workload]
             profiled["decode_step_native"] = step_profile(engines["native"], batch)
             profiled["prefill_step_native"] = step_profile(engines["native"], batch, prefill=True)
+            llm = set_mode(engines, app_names, "installed_idle")
+            profiled["decode_step_idle"] = step_profile(llm, batch, control_plane(engines, "installed_idle"))
             llm = set_mode(engines, app_names, "seven")
             profiled["decode_step_kernels"] = step_profile(llm, batch, control_plane(engines, "seven"))
             profiled["prefill_step_kernels"] = step_profile(llm, batch, control_plane(engines, "seven"), prefill=True)

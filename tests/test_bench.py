@@ -57,7 +57,14 @@ def test_harness_runs_every_mode_and_the_modes_do_what_they_claim(tmp_path):
         assert all(r["steps"] > 0 and r["host_ms_per_step"] > 0 for r in decode["runs"][mode]), mode
         assert decode["summary"][mode]["host_ms_per_step"]["median"] > 0
     assert all(r["steps"] == 0 for r in decode["runs"]["armed_idle"])  # no resident op: nothing to prepare
+    # the read logs' new chunks: the two reading apps' first ones in the first run, none after
+    # (the toy's reads fit one chunk each), none without a read
+    assert [r["read_chunks_made"] for r in decode["runs"]["seven"]] == [0, 0]  # made in the warm-up run
+    assert all(r["read_chunks_made"] == 0 for r in decode["runs"]["installed_idle"])
     assert "host_ms_per_step" not in decode["summary"]["native"]
+    # the production engine's decode steps with no app chosen, profiled as the seven apps' are
+    idle = decode["decode_step_idle"]
+    assert idle["per_step_of"] == serving.PROFILED_STEPS and 0 < idle["host"]["prepare_step_us"] < idle["host"]["step_wall_us"]
     # the profiled decode steps: the control plane's time is inside the step's, and only with apps
     for step in ("decode", "prefill"):
         native, seven = decode[f"{step}_step_native"]["host"], decode[f"{step}_step_kernels"]["host"]
@@ -167,3 +174,16 @@ def test_host_step_harness_times_prepare_step_with_requests_coming_and_going():
     result = host_step.main(["--model", str(tiny_llama()), "--requests", "4,8", "--steps", "30",
                              "--request-steps", "7", "--dummy"])
     assert set(result["host_ms_per_step"]) == {"4", "8"} and all(v > 0 for v in result["host_ms_per_step"].values())
+
+
+def test_chunk_alloc_harness_times_steps_with_chunks_made_inline_and_ahead():
+    """bench/chunk_alloc.py at toy size: each condition's step times, and the chunks it made (every
+    --every steps, none in the baseline)."""
+    from bench import chunk_alloc
+
+    result = chunk_alloc.main(["--toy"])
+    rows = result["conditions"]
+    assert set(rows) == {"none", "inline", "helper"}
+    assert rows["none"]["chunks"] == 0 and rows["inline"]["chunks"] == rows["helper"]["chunks"] == 10
+    assert all(0 < row["median_ms"] <= row["p99_ms"] <= row["max_ms"] for row in rows.values())
+    assert rows["inline"]["inline_allocation_ms"]["median"] > 0 and "inline_allocation_ms" not in rows["helper"]

@@ -339,8 +339,8 @@ def test_read_log_returns_each_requests_latest_values_across_chunks_and_recycles
     from xmix_lens.backend.vllm.control import ReadLog
 
     alive = {0, 1, 2, 3}
-    log = ReadLog(3, torch.float32, pin=False, alive=lambda: np.array(sorted(alive), dtype=np.int64))
-    log.chunk_rows = 8  # small chunks: steps cross them
+    log = ReadLog(3, torch.float32, pin=False, alive=lambda: np.array(sorted(alive), dtype=np.int64),
+                  chunk_rows=8)  # small chunks: steps cross them
     gen = torch.Generator().manual_seed(0)
     expected = {}
     for step in range(12):
@@ -366,6 +366,32 @@ def test_read_log_returns_each_requests_latest_values_across_chunks_and_recycles
     assert recycled >= 1 and holding_3 >= 1
     positions, values = log.take(3)
     assert positions.tolist() == sorted(expected[3])
+
+
+def test_a_read_logs_new_chunks_are_made_ahead_on_a_helper_thread(monkeypatch):
+    """Pinning a chunk's host memory is slow: a log makes its next chunk on a helper thread while
+    the steps run, never on the thread that appends a step's values; it counts the chunks it made."""
+    import threading
+
+    import numpy as np
+
+    from xmix_lens.backend.vllm import control
+
+    threads = []
+
+    def host_empty(shape, dtype, pin):
+        threads.append(threading.current_thread().name)
+        return torch.empty(shape, dtype=dtype)
+
+    monkeypatch.setattr(control, "_host_empty", host_empty)
+    log = control.ReadLog(2, torch.float32, pin=False, alive=lambda: np.arange(1), chunk_rows=4)
+    for step in range(5):  # request 0 stays alive: no chunk is recycled, each step needs a new one
+        log.append(torch.full((4, 2), float(step)), np.arange(4), np.zeros(4, dtype=np.int64))
+    assert log.chunks_made == len(log.chunks) == 5
+    log._spare.result()
+    assert len(threads) == 6 and all(name.startswith("xmix-read-log") for name in threads)  # and the spare
+    positions, values = log.take(0)
+    assert positions.tolist() == [0, 1, 2, 3] and values[:, 0].tolist() == [4.0] * 4  # the latest step's
 
 
 def test_uninstalling_a_reading_app_before_its_last_step_goes_home_is_safe(served):

@@ -42,7 +42,9 @@ steps the engine runs without graphs: requests that select such an app make thei
 (`needs_eager_steps`), which is correct and reported, never a silently dropped hook.
 """
 import hashlib
+import os
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
@@ -139,6 +141,18 @@ class _Layout:
 
 
 CHUNK_BYTES = 4 << 20  # a read log's values come in chunks of about this size (pinned memory on a GPU)
+_chunk_maker: tuple[int, ThreadPoolExecutor] | None = None  # (its process, the thread making read logs' chunks)
+
+
+def _make_ahead(make) -> Future:
+    """`make()` on a helper thread: a read log's next chunk is made while the engine runs, as
+    pinning 4 MiB of host memory is a slow driver call, which made when a step's reads need room
+    delayed that step (torch releases the GIL while it allocates). One thread per process: a
+    forked worker does not inherit its parent's."""
+    global _chunk_maker
+    if _chunk_maker is None or _chunk_maker[0] != os.getpid():
+        _chunk_maker = (os.getpid(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="xmix-read-log"))
+    return _chunk_maker[1].submit(make)
 
 
 @dataclass(eq=False)
@@ -157,14 +171,17 @@ class ReadLog:
     found by one comparison over the tags when it takes them (`take`). When the log needs a
     chunk it first recycles its oldest ones whose rows are all nobody's or of requests no longer
     alive, so memory follows the reads not yet taken; copies into a recycled chunk are ordered
-    after those it held (one stream), so nothing waits."""
+    after those it held (one stream), so nothing waits. A new chunk is made ahead, on a helper
+    thread (`_make_ahead`)."""
 
     RECYCLE_CHECKS = 4  # oldest chunks looked at when a chunk is needed
 
-    def __init__(self, width: int, dtype: torch.dtype, pin: bool, alive):
+    def __init__(self, width: int, dtype: torch.dtype, pin: bool, alive, chunk_rows: int | None = None):
         self.width, self.dtype, self.pin, self.alive = width, dtype, pin, alive  # alive(): the numbers of requests alive
-        self.chunk_rows = max(256, min(65536, CHUNK_BYTES // (dtype.itemsize * width)))
+        self.chunk_rows = chunk_rows or max(256, min(65536, CHUNK_BYTES // (dtype.itemsize * width)))
         self.chunks: list[_Chunk] = []  # in the order they were filled (a recycled chunk goes last)
+        self.chunks_made = 0  # a bench field: new chunks are the log's only allocations
+        self._spare = _make_ahead(self._new_chunk)  # the next new chunk, made ahead
 
     def append(self, values: torch.Tensor, positions: np.ndarray, owner: np.ndarray) -> None:
         """Queue a step's copy (stream ordered: the values are there once the step's event is)."""
@@ -190,10 +207,14 @@ class ReadLog:
                 chunk.used = 0
                 break
         else:
-            chunk = _Chunk(_host_empty((self.chunk_rows, self.width), self.dtype, self.pin),
-                           np.zeros(self.chunk_rows, dtype=np.int64), np.full(self.chunk_rows, -1, dtype=np.int64))
+            chunk, self._spare = self._spare.result(), _make_ahead(self._new_chunk)
+            self.chunks_made += 1
         self.chunks.append(chunk)
         return chunk
+
+    def _new_chunk(self) -> _Chunk:
+        return _Chunk(_host_empty((self.chunk_rows, self.width), self.dtype, self.pin),
+                      np.zeros(self.chunk_rows, dtype=np.int64), np.full(self.chunk_rows, -1, dtype=np.int64))
 
     def take(self, number: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """A request's (positions [n], values [n, width]) by position, the latest value of a

@@ -364,32 +364,35 @@ def test_read_log_returns_each_requests_latest_values_across_chunks_and_recycles
     recycled = chunks + 4 - len(log.chunks)
     holding_3 = sum(bool((c.owner[:c.used] == 3).any()) for c in log.chunks)
     assert recycled >= 1 and holding_3 >= 1
-    positions, values = log.take(3)
+    positions, values = log.take(3)  # its values moved out of the landing slots before the chunks were reused
     assert positions.tolist() == sorted(expected[3])
+    assert torch.equal(values, torch.stack([expected[3][p] for p in sorted(expected[3])]))
 
 
 def test_a_read_logs_new_chunks_are_made_ahead_on_a_helper_thread(monkeypatch):
-    """Pinning a chunk's host memory is slow: a log makes its next chunk on a helper thread while
-    the steps run, never on the thread that appends a step's values; it counts the chunks it made."""
+    """A log makes its next chunk on a helper thread while the steps run, never on the thread that
+    appends a step's values; its landing slots are made with it; it counts the chunks it made."""
     import threading
 
     import numpy as np
 
     from xmix_lens.backend.vllm import control
 
-    threads = []
+    made = []
 
     def host_empty(shape, dtype, pin):
-        threads.append(threading.current_thread().name)
+        made.append((threading.current_thread().name, len(shape)))
         return torch.empty(shape, dtype=dtype)
 
     monkeypatch.setattr(control, "_host_empty", host_empty)
     log = control.ReadLog(2, torch.float32, pin=False, alive=lambda: np.arange(1), chunk_rows=4)
+    assert ("MainThread", 3) in made  # the landing slots, [slots, rows, width]
     for step in range(5):  # request 0 stays alive: no chunk is recycled, each step needs a new one
         log.append(torch.full((4, 2), float(step)), np.arange(4), np.zeros(4, dtype=np.int64))
     assert log.chunks_made == len(log.chunks) == 5
     log._spare.result()
-    assert len(threads) == 6 and all(name.startswith("xmix-read-log") for name in threads)  # and the spare
+    chunks = [thread for thread, dims in made if dims == 2]
+    assert len(chunks) == 6 and all(name.startswith("xmix-read-log") for name in chunks)  # and the spare
     positions, values = log.take(0)
     assert positions.tolist() == [0, 1, 2, 3] and values[:, 0].tolist() == [4.0] * 4  # the latest step's
 

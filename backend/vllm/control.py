@@ -140,15 +140,14 @@ class _Layout:
     table_ops: list  # ops with request-value tables
 
 
-CHUNK_BYTES = 4 << 20  # a read log's values come in chunks of about this size (pinned memory on a GPU)
+CHUNK_BYTES = 4 << 20  # a read log's values come in chunks of about this size
+LANDING_SLOTS = 4  # a read log's pinned buffers, of a chunk's rows each, that its copies home land in, in turn
 _chunk_maker: tuple[int, ThreadPoolExecutor] | None = None  # (its process, the thread making read logs' chunks)
 
 
 def _make_ahead(make) -> Future:
-    """`make()` on a helper thread: a read log's next chunk is made while the engine runs, as
-    pinning 4 MiB of host memory is a slow driver call, which made when a step's reads need room
-    delayed that step (torch releases the GIL while it allocates). One thread per process: a
-    forked worker does not inherit its parent's."""
+    """`make()` on a helper thread, so that a read log's next chunk is ready (its pages touched)
+    before a step needs it. One thread per process: a forked worker does not inherit its parent's."""
     global _chunk_maker
     if _chunk_maker is None or _chunk_maker[0] != os.getpid():
         _chunk_maker = (os.getpid(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="xmix-read-log"))
@@ -166,35 +165,70 @@ class _Chunk:
 class ReadLog:
     """One read op's values of every step, on the host, until their requests take them.
 
-    Rows are appended a step at a time (a copy of values per chunk the step reaches), each tagged
-    with the number of the request its token belongs to and its position. A request's rows are
-    found by one comparison over the tags when it takes them (`take`). When the log needs a
-    chunk it first recycles its oldest ones whose rows are all nobody's or of requests no longer
-    alive, so memory follows the reads not yet taken; copies into a recycled chunk are ordered
-    after those it held (one stream), so nothing waits. A new chunk is made ahead, on a helper
-    thread (`_make_ahead`)."""
+    Rows are appended a step at a time, each tagged with the number of the request its token
+    belongs to and its position. A request's rows are found by one comparison over the tags when it
+    takes them (`take`). When the log needs a chunk it first recycles its oldest ones whose rows
+    are all nobody's or of requests no longer alive, so memory follows the reads not yet taken; a
+    new chunk is made ahead, on a helper thread (`_make_ahead`).
+
+    A step's values are copied home into a landing slot (pinned on a GPU: the copy is stream
+    ordered and non-blocking), made with the log, and moved into their chunk's rows on the host when
+    the slot comes round again (its copy is steps old by then: done) or before a take. The chunks
+    are plain host memory: pinning memory is a driver call, and each pinned chunk made while the
+    engine ran cost a step in the tail: on the H200 a new 4 MiB chunk took 2.2 ms inline, and made
+    on a helper thread the steps around it were still slower (docs/benchmarks.md, session 15). A
+    step whose values fill more than LANDING_SLOTS - 1 slots waits for its first ones' copies."""
 
     RECYCLE_CHECKS = 4  # oldest chunks looked at when a chunk is needed
 
     def __init__(self, width: int, dtype: torch.dtype, pin: bool, alive, chunk_rows: int | None = None):
-        self.width, self.dtype, self.pin, self.alive = width, dtype, pin, alive  # alive(): the numbers of requests alive
+        self.width, self.dtype, self.alive = width, dtype, alive  # alive(): the numbers of requests alive
         self.chunk_rows = chunk_rows or max(256, min(65536, CHUNK_BYTES // (dtype.itemsize * width)))
         self.chunks: list[_Chunk] = []  # in the order they were filled (a recycled chunk goes last)
         self.chunks_made = 0  # a bench field: new chunks are the log's only allocations
         self._spare = _make_ahead(self._new_chunk)  # the next new chunk, made ahead
+        self._landing = _host_empty((LANDING_SLOTS, self.chunk_rows, width), dtype, pin)
+        self._landed = [torch.cuda.Event() for _ in range(LANDING_SLOTS)] if pin else None  # each slot's copy done
+        self._moves: list[tuple | None] = [None] * LANDING_SLOTS  # per slot: (rows, chunk, first row) to move
+        self._turns = 0  # slots used so far: the next is turns % LANDING_SLOTS, the oldest copy
 
     def append(self, values: torch.Tensor, positions: np.ndarray, owner: np.ndarray) -> None:
-        """Queue a step's copy (stream ordered: the values are there once the step's event is)."""
+        """Queue a step's copy home (stream ordered: its values are the step's once it is done)."""
         done, n = 0, len(owner)
         while done < n:
             chunk = self.chunks[-1] if self.chunks and self.chunks[-1].used < self.chunk_rows else self._next_chunk()
             k = min(n - done, self.chunk_rows - chunk.used)
+            self._land(values[done:done + k], chunk, chunk.used)
             rows = slice(chunk.used, chunk.used + k)
-            chunk.values[rows].copy_(values[done:done + k], non_blocking=self.pin)
             chunk.positions[rows] = positions[done:done + k]
             chunk.owner[rows] = owner[done:done + k]
             chunk.used += k
             done += k
+
+    def _land(self, values: torch.Tensor, chunk: _Chunk, first: int) -> None:
+        slot = self._turns % LANDING_SLOTS
+        self._turns += 1
+        self._move(slot)  # the slot's last copy, into its chunk first
+        self._landing[slot, :len(values)].copy_(values, non_blocking=self._landed is not None)
+        if self._landed is not None:
+            self._landed[slot].record()
+        self._moves[slot] = (len(values), chunk, first)
+
+    def _move(self, slot: int) -> None:
+        """The slot's landed values into their chunk's rows. Moves run in the order of their copies
+        (oldest slot first), so a recycled chunk's rows end with their latest values."""
+        move, self._moves[slot] = self._moves[slot], None
+        if move is None:
+            return
+        k, chunk, first = move
+        if self._landed is not None:
+            self._landed[slot].synchronize()
+        chunk.values[first:first + k].copy_(self._landing[slot, :k])
+
+    def _settle(self) -> None:
+        """Every landed value into its chunk (waits for copies not done yet)."""
+        for turn in range(self._turns, self._turns + LANDING_SLOTS):  # oldest first
+            self._move(turn % LANDING_SLOTS)
 
     def _next_chunk(self) -> _Chunk:
         alive = None
@@ -213,12 +247,14 @@ class ReadLog:
         return chunk
 
     def _new_chunk(self) -> _Chunk:
-        return _Chunk(_host_empty((self.chunk_rows, self.width), self.dtype, self.pin),
-                      np.zeros(self.chunk_rows, dtype=np.int64), np.full(self.chunk_rows, -1, dtype=np.int64))
+        # zeroed: the pages are touched here, on the helper thread, not in the step that fills them
+        values = _host_empty((self.chunk_rows, self.width), self.dtype, pin=False).zero_()
+        return _Chunk(values, np.zeros(self.chunk_rows, dtype=np.int64), np.full(self.chunk_rows, -1, dtype=np.int64))
 
     def take(self, number: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """A request's (positions [n], values [n, width]) by position, the latest value of a
         position computed twice; its rows are then nobody's."""
+        self._settle()
         positions, values = [], []
         for chunk in self.chunks:  # in fill order: later rows are later steps
             rows = np.flatnonzero(chunk.owner[:chunk.used] == number)

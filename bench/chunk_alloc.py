@@ -1,11 +1,13 @@
-"""What a read log's new host chunk costs a step: made inline, on the step's thread, or ahead on a
-helper thread (as `control.ReadLog` makes it).
+"""What a new pinned host chunk (CHUNK_BYTES, a read log's chunk until session 15) costs a step:
+made inline, on the step's thread, or ahead on a helper thread. The measurement behind
+`control.ReadLog`'s plain-memory chunks and pinned landing slots (docs/benchmarks.md, session 15).
 
     python -m bench.chunk_alloc --device cuda --out results.json
     python -m bench.chunk_alloc --toy                              # the CPU run the tests make
 
 Steps stand in for an engine's decode steps: a CUDA graph of --layers matmuls of --tokens rows
-(plain calls on the CPU), replayed and waited for. Every --every steps a chunk of CHUNK_BYTES
+(plain calls on the CPU), replayed and waited for (so a stall of the device pipeline, which an
+engine's overlapped steps would feel, does not show here). Every --every steps a chunk of CHUNK_BYTES
 (pinned on a GPU) is made: not at all ("none"), inline before the step ("inline"), or submitted
 to a helper thread ("helper"). Per condition: the steps' median, P99 and longest wall time, and
 the inline allocations' own times.

@@ -15,7 +15,7 @@ Each repeat draws fresh random prompt ids, the same for every mode, and runs the
 (A B C ... A B C ...), after one warm-up run of each. Per run: mean and P99 inter-token latency,
 mean time to first token, total token throughput (prompt + output tokens / wall time), and on the
 xmix-lens engines the control plane's host time per step (`host_ms_per_step`, ControlPlane.prepare_step)
-and the host chunks its read logs made (`read_chunks_made`: pinned allocations on a GPU);
+and the new host chunks its read logs made (`read_chunks_made`);
 and the mean and P99 ITL of the decode window (`decode_itl_ms`, `decode_p99_itl_ms`: gaps that start
 once every request has its first token, so that no step holds a prefill chunk, whose interleaving
 makes the whole run's ITL vary).
@@ -238,7 +238,7 @@ def timed_run(engines, app_names, mode, prompts, out_len) -> dict:
 
 
 def read_chunks_made(control) -> int:
-    """The host chunks the engine's read logs have made (pinned allocations, on a GPU)."""
+    """The host chunks the engine's read logs have made (the logs' only allocations)."""
     return sum(op.log.chunks_made for op in control.ops if op.log is not None)
 
 

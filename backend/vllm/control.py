@@ -22,8 +22,9 @@ Nothing is recaptured, restarted or drained for any of these.
 
 Reads (the messenger): a read op writes each live token's value into its `step_values`, in the
 model's dtype. When the next step is prepared, the host queues the copy of the finished step's rows
-into the op's read log (ReadLog: one host buffer per read op, in the same dtype, pinned on a GPU,
-stream ordered and non-blocking: no conversion on the device), each row tagged with its request's
+into the op's read log (ReadLog: host memory per read op, in the same dtype; the copy lands in a
+pinned slot on a GPU, stream ordered and non-blocking, and moves into the log's plain host chunks a
+few steps later: no conversion on the device, no driver call as the log grows), each row tagged with its request's
 number and its position (known on the host: vLLM computes the device's positions from each
 request's computed tokens, which it keeps there too). One buffer is enough: that copy is queued on the stream before the next step's forward,
 which overwrites it. Per step that is one copy and two small numpy arrays per read op, whatever the

@@ -18,7 +18,8 @@ xmix-lens engines the control plane's host time per step (`host_ms_per_step`, Co
 and the new host chunks its read logs made (`read_chunks_made`);
 and the mean and P99 ITL of the decode window (`decode_itl_ms`, `decode_p99_itl_ms`: gaps that start
 once every request has its first token, so that no step holds a prefill chunk, whose interleaving
-makes the whole run's ITL vary).
+makes the whole run's ITL vary). Per engine: the tokens its KV cache holds and whether vLLM
+schedules asynchronously (prepares a step while the GPU runs the one before, hiding host work).
 With --profile, decode steps and the prefill step (what TTFT is made of) of each workload are
 profiled on native vLLM and with the seven apps active (decode steps also on the production
 engine with no app chosen: what installed-idle costs): every CUDA kernel's time and launches,
@@ -133,13 +134,17 @@ def build_engines(args, modes):
     return built, [a.name for a in apps], seconds
 
 
-def kv_capacity_tokens(engine) -> int:
-    """How many tokens an engine's KV cache holds (a workload that needs more preempts requests,
-    and their recomputation makes its timings vary from run to run)."""
+def vllm_config(engine):
     from xmix_lens import HookedServedModel
 
     llm = engine.engine.llm if isinstance(engine, HookedServedModel) else engine
-    cache = llm.llm_engine.vllm_config.cache_config
+    return llm.llm_engine.vllm_config
+
+
+def kv_capacity_tokens(engine) -> int:
+    """How many tokens an engine's KV cache holds (a workload that needs more preempts requests,
+    and their recomputation makes its timings vary from run to run)."""
+    cache = vllm_config(engine).cache_config
     return cache.num_gpu_blocks * cache.block_size
 
 
@@ -406,7 +411,10 @@ def main(argv=None) -> dict:
                           "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None},
               "versions": {"torch": torch.__version__, "vllm": __import__("vllm").__version__},
               "engine_build_s": build_seconds, "apps": app_names, "workloads": {},
-              "kv_capacity_tokens": {name: kv_capacity_tokens(engine) for name, engine in engines.items()}}
+              "kv_capacity_tokens": {name: kv_capacity_tokens(engine) for name, engine in engines.items()},
+              # whether vLLM prepares the next step while the GPU runs this one (host work hidden)
+              "async_scheduling": {name: vllm_config(engine).scheduler_config.async_scheduling
+                                   for name, engine in engines.items()}}
     gen = torch.Generator().manual_seed(1234)
     if args.profile and "production" in engines:  # each op's kernel at each workload's decode batch
         result["kernel_floors"] = resident_kernel_times(

@@ -84,6 +84,8 @@ def test_harness_runs_every_mode_and_the_modes_do_what_they_claim(tmp_path):
     # whether a workload fits each engine's KV cache (else preemption makes the timings vary)
     assert set(result["kv_capacity_tokens"]) == {"native", "production", "research", "eager"}
     assert all(tokens > 0 for tokens in result["kv_capacity_tokens"].values())
+    assert set(result["async_scheduling"]) == set(result["kv_capacity_tokens"])  # each engine's, as vLLM set it
+    assert all(isinstance(on, bool) for on in result["async_scheduling"].values())
     assert decode["kv_tokens_needed"] == decode["requests"] * (decode["prompt_len"] + decode["output_len"])
     for mode, row in decode["summary"].items():  # each repeat against native's of the same repeat
         runs = zip(decode["runs"][mode], decode["runs"]["native"])

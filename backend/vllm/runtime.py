@@ -399,21 +399,25 @@ class SiteRuntime:
         step.ops = self._op_tokens(step)
 
     def _op_tokens(self, step: StepTokens) -> dict:
-        """Every pass op's tokens in the step, on the host and (in one copy) on the device."""
+        """Every pass op's tokens in the step, on the host and (in one copy) on the device. Made
+        with numpy on views of the step's host tensors: in the engine's process on the H200 host,
+        torch ops on host tensors of a prefill step's size took milliseconds each (docs/benchmarks.md,
+        session 14: the control rows' staging)."""
         chosen, parts = [], []
+        rows, positions_in_view = step.row.numpy(), step.padded_pos.numpy()
         for p in self.passes.values():
             for decode, phase in p.phases():
                 for site_id, ops in phase.ops.items():
                     for i, op in enumerate(ops):
                         positions = op.op.positions if isinstance(op, sharding.Placed) else op.positions
                         tokens = self._selected(p, decode, phase, positions)
-                        if tokens.numel():
-                            chosen.append(((p.pass_id, decode, site_id, i), tokens))
-                            row, pos = step.row.index_select(0, tokens), step.padded_pos.index_select(0, tokens)
-                            parts.append(torch.stack([tokens, row * phase.padded_len + pos, row, pos]).int())
+                        if len(tokens):
+                            chosen.append(((p.pass_id, decode, site_id, i), torch.from_numpy(tokens)))
+                            row, pos = rows[tokens], positions_in_view[tokens]
+                            parts.append(np.stack([tokens, row * phase.padded_len + pos, row, pos]).astype(np.int32))
         if not parts:
             return {}
-        packed = torch.cat(parts, dim=1)
+        packed = torch.from_numpy(np.concatenate(parts, axis=1))
         if self.device.type == "cuda":
             packed = packed.pin_memory()
         packed = packed.to(self.device, non_blocking=True)
@@ -451,12 +455,14 @@ class SiteRuntime:
                     if chosen is not None:
                         self._run_op(x, site_id, p, phase, op, chosen)
 
-    def _selected(self, p: Pass, decode: bool, phase: Phase, positions: torch.Tensor | None) -> torch.Tensor:
+    def _selected(self, p: Pass, decode: bool, phase: Phase, positions: torch.Tensor | None) -> np.ndarray:
+        """The step's token indices [n] int64 that the op runs on."""
         step = self.step
-        chosen = (step.pass_id == p.pass_id) & (step.decode == decode) & (step.padded_pos < phase.padded_len)
+        padded_pos = step.padded_pos.numpy()
+        chosen = (step.pass_id.numpy() == p.pass_id) & (step.decode.numpy() == decode) & (padded_pos < phase.padded_len)
         if positions is not None:
-            chosen &= positions.index_select(0, step.padded_pos.clamp(max=phase.padded_len - 1))
-        return chosen.nonzero().flatten()
+            chosen &= positions.numpy()[np.minimum(padded_pos, phase.padded_len - 1)]
+        return np.flatnonzero(chosen)
 
     def _run_op(self, x: torch.Tensor, site_id: int, p: Pass, phase: Phase, op, chosen: OpTokens) -> None:
         placed = op if isinstance(op, sharding.Placed) else None

@@ -147,8 +147,7 @@ _chunk_maker: tuple[int, ThreadPoolExecutor] | None = None  # (its process, the 
 
 
 def _make_ahead(make) -> Future:
-    """`make()` on a helper thread, so that a read log's next chunk is ready (its pages touched)
-    before a step needs it. One thread per process: a forked worker does not inherit its parent's."""
+    """`make()` on a helper thread, so that a read log's next chunk is ready before a step needs it. One thread per process: a forked worker does not inherit its parent's."""
     global _chunk_maker
     if _chunk_maker is None or _chunk_maker[0] != os.getpid():
         _chunk_maker = (os.getpid(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="xmix-read-log"))
@@ -248,8 +247,7 @@ class ReadLog:
         return chunk
 
     def _new_chunk(self) -> _Chunk:
-        # zeroed: the pages are touched here, on the helper thread, not in the step that fills them
-        values = _host_empty((self.chunk_rows, self.width), self.dtype, pin=False).zero_()
+        values = _host_empty((self.chunk_rows, self.width), self.dtype, pin=False)
         return _Chunk(values, np.zeros(self.chunk_rows, dtype=np.int64), np.full(self.chunk_rows, -1, dtype=np.int64))
 
     def take(self, number: int) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -57,8 +57,8 @@ def test_harness_runs_every_mode_and_the_modes_do_what_they_claim(tmp_path):
         assert all(r["steps"] > 0 and r["host_ms_per_step"] > 0 for r in decode["runs"][mode]), mode
         assert decode["summary"][mode]["host_ms_per_step"]["median"] > 0
     assert all(r["steps"] == 0 for r in decode["runs"]["armed_idle"])  # no resident op: nothing to prepare
-    # the read logs' new chunks: the two reading apps' first ones in the first run, none after
-    # (the toy's reads fit one chunk each), none without a read
+    # the read logs' new chunks: the two reading apps' first ones come in the warm-up run; the toy's
+    # reads then fit them (none in the timed runs), and no mode without a read makes any
     assert [r["read_chunks_made"] for r in decode["runs"]["seven"]] == [0, 0]  # made in the warm-up run
     assert all(r["read_chunks_made"] == 0 for r in decode["runs"]["installed_idle"])
     assert "host_ms_per_step" not in decode["summary"]["native"]

@@ -249,12 +249,19 @@ class VllmEngine:
         samples): the logits [B, P, d_vocab] on the host if `logits`, and given `next_tokens`
         [B, P - 1] each position's negative log-likelihood of its next token [B, P - 1]. Computed
         on the engine's device a block of rows at a time; only what is asked for comes back."""
-        B, P, _ = normalized.shape
-        rows = max(1, self.UNEMBED_BLOCK // (P * self.W_U.shape[1]))
-        all_logits = torch.empty(B, P, self.W_U.shape[1]) if logits else None
+        B, P, d_model = normalized.shape
+        V = self.W_U.shape[1]
+        rows = max(1, self.UNEMBED_BLOCK // (P * V))
+        all_logits = torch.empty(B, P, V) if logits else None
         nll = torch.empty(B, P - 1) if next_tokens is not None else None
+        # A half-precision model's activations and lm_head hold values of its dtype exactly, so on a
+        # GPU the product runs in that dtype on the tensor cores, accumulated and returned in fp32:
+        # the fp32 product's values, up to summation order, several times faster (cuBLAS's fp32 GEMM)
+        half = self.W_U.is_cuda and normalized.dtype in (torch.float16, torch.bfloat16)
+        W_U = self.W_U.to(normalized.dtype) if half else self.W_U
         for r in range(0, B, rows):
-            block = normalized[r:r + rows].to(self.W_U.device, torch.float32) @ self.W_U + self.b_U
+            x = normalized[r:r + rows].to(W_U.device, W_U.dtype).reshape(-1, d_model)
+            block = (torch.mm(x, W_U, out_dtype=torch.float32) if half else x @ W_U).view(-1, P, V) + self.b_U
             if logits:
                 all_logits[r:r + rows] = block.cpu()
             if next_tokens is not None:

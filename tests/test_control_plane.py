@@ -352,11 +352,13 @@ def test_read_log_returns_each_requests_latest_values_across_chunks_and_recycles
         for o, p, v in zip(owner.tolist(), positions.tolist(), values):
             if o >= 0:
                 expected.setdefault(o, {})[p] = v  # the latest value wins
+    taken = log.take([1, 0, 7])  # requests taken together; 7 has no rows
+    assert sorted(taken) == [0, 1]
     for number in (0, 1):
-        positions, values = log.take(number)
+        positions, values = taken[number]
         assert positions.tolist() == sorted(expected[number])
         assert torch.equal(values, torch.stack([expected[number][p] for p in sorted(expected[number])]))
-        assert log.take(number) is None  # taken once
+    assert log.take([0, 1]) == {}  # taken once
     alive -= {0, 1, 2}  # 2 forgotten without taking; 3 still alive
     chunks = len(log.chunks)
     for _ in range(4):  # chunks holding nothing of request 3 are reused before any is made
@@ -364,7 +366,7 @@ def test_read_log_returns_each_requests_latest_values_across_chunks_and_recycles
     recycled = chunks + 4 - len(log.chunks)
     holding_3 = sum(bool((c.owner[:c.used] == 3).any()) for c in log.chunks)
     assert recycled >= 1 and holding_3 >= 1
-    positions, values = log.take(3)  # its values moved out of the landing slots before the chunks were reused
+    positions, values = log.take([3])[3]  # its values moved out of the landing slots before the chunks were reused
     assert positions.tolist() == sorted(expected[3])
     assert torch.equal(values, torch.stack([expected[3][p] for p in sorted(expected[3])]))
 
@@ -393,7 +395,7 @@ def test_a_read_logs_new_chunks_are_made_ahead_on_a_helper_thread(monkeypatch):
     log._spare.result()
     chunks = [thread for thread, dims in made if dims == 2]
     assert len(chunks) == 6 and all(name.startswith("xmix-read-log") for name in chunks)  # and the spare
-    positions, values = log.take(0)
+    positions, values = log.take([0])[0]
     assert positions.tolist() == [0, 1, 2, 3] and values[:, 0].tolist() == [4.0] * 4  # the latest step's
 
 
@@ -423,7 +425,8 @@ def test_uninstalling_a_reading_app_before_its_last_step_goes_home_is_safe(serve
     second = install("second-probe")  # takes the freed control row
     assert second.ops[0].index == first.ops[0].index
     plane.drain()
-    assert first.ops[0].log.take(plane._number["r0"])[0].tolist() == [0, 1, 2]
+    number = plane._number["r0"]
+    assert first.ops[0].log.take([number])[number][0].tolist() == [0, 1, 2]
     assert all(c.used == 0 for c in second.ops[0].log.chunks) and not np.any(
         [c.owner[:c.used] >= 0 for c in second.ops[0].log.chunks])
 
@@ -495,7 +498,7 @@ def test_steps_with_the_rows_of_the_step_before_copy_nothing_and_lose_no_read(se
     assert staged == [1, 2, 2, 2, 3, 3, 3]  # restaged only where the requests or their tokens changed
     plane.drain()
     for r in ("a", "c"):
-        got_positions, got_values = plane.take_results(r)[("probe", next(iter(plane.apps["probe"].ops)).op.key)]
+        got_positions, got_values = plane.take_results([r])[0][("probe", next(iter(plane.apps["probe"].ops)).op.key)]
         expected = []
         for step, (ids, counts) in enumerate(steps):
             if r in ids:
@@ -530,7 +533,7 @@ def test_reads_of_requests_that_chose_nothing_are_kept_for_the_last_few(installe
     assert list(runtime.finished_reading) == kept[:2]  # the last one's finish has not reached the runtime
     control.drain()
     for r in kept:
-        (positions, values), = control.take_results(r).values()  # the probe's reads, every position
+        (positions, values), = control.take_results([r])[0].values()  # the probe's reads, every position
         assert positions.tolist() == [0, 1, 2, 3] and values.shape == (4, 1)
     for r in kept:
         runtime._forget_served(r)
@@ -570,6 +573,6 @@ def test_reads_are_kept_in_the_model_dtype(served):
     written = torch.tensor([[1.5], [-2.25], [1e3 + 1]], dtype=torch.bfloat16)  # 1001 rounds to 1000 in bf16
     op.step_values[:3] = written
     plane.drain()
-    positions, values = plane.take_results("r0")[("probe", op.op.key)]
+    positions, values = plane.take_results(["r0"])[0][("probe", op.op.key)]
     assert op.step_values.dtype == values.dtype == torch.bfloat16
     assert torch.equal(values, written) and positions.tolist() == [5, 6, 7]

@@ -213,12 +213,13 @@ class SiteRuntime:
         msgpack); rank 0 answers."""
         self.control.drain()
         taken = []
-        for req_id in sorted(r for r in self.reading if r.startswith(request_id + "-")):
+        req_ids = sorted(r for r in self.reading if r.startswith(request_id + "-"))
+        for req_id, results in zip(req_ids, self.control.take_results(req_ids)):
             middle = req_id[len(request_id) + 1:].split("-")
             index = int(middle[0]) if len(middle) > 1 and middle[0].isdigit() else 0
             wanted, prompt_len = self.reading[req_id]
             reads = []
-            for (app, key), (pos, values) in self.control.take_results(req_id).items():
+            for (app, key), (pos, values) in results.items():
                 kept = {"all": pos >= 0, "prompt_end": pos == prompt_len - 1, "last": pos == pos.max()}[wanted]
                 reads.append((app, list(key), pos[kept].tolist(), values[kept].tolist()))
             taken.append((index, reads))
@@ -278,7 +279,7 @@ class SiteRuntime:
             nonfinite = {self.site_names[site]: rows.nonzero().flatten().tolist()
                          for site, rows in p.nonfinite.items() if bool(rows.any())}
             finished.append(PassResults({key: p.result(key) for key in p.reads},
-                                        [self.control.take_results(r) for r in in_order], nonfinite))
+                                        self.control.take_results(in_order), nonfinite))
         for req_id in req_ids:
             self.control.forget(req_id)
         if any(results.nonfinite for results in finished):

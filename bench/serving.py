@@ -229,14 +229,15 @@ def control_plane(engines, mode):
 
 
 def timed_run(engines, app_names, mode, prompts, out_len) -> dict:
-    """One run of a mode, with its engine's control-plane host time per step."""
+    """One run of a mode, with its engine's control-plane host time per step (wall and CPU)."""
     control = control_plane(engines, mode)
     if control is not None:
-        control.host_seconds, control.host_steps = 0.0, 0
+        control.host_seconds, control.host_cpu_seconds, control.host_steps = 0.0, 0.0, 0
         chunks_before = read_chunks_made(control)
     run = run_once(set_mode(engines, app_names, mode), prompts, out_len)
     if control is not None:
         run["host_ms_per_step"] = 1e3 * control.host_seconds / max(control.host_steps, 1)
+        run["host_cpu_ms_per_step"] = 1e3 * control.host_cpu_seconds / max(control.host_steps, 1)
         run["steps"] = control.host_steps
         run["read_chunks_made"] = read_chunks_made(control) - chunks_before
     return run
@@ -284,9 +285,10 @@ def summarise(runs: dict) -> dict:
             noise = max((max(v) - min(v)) / statistics.median(v) for v in (values, native[m]))
             row[m] = {"median": med, "min": min(values), "max": max(values), "ratio_to_native": ratio,
                       "paired_ratio": paired, "noise": noise, "within_noise": abs(ratio - 1) <= noise}
-        host = [r["host_ms_per_step"] for r in repeats if "host_ms_per_step" in r]
-        if host:
-            row["host_ms_per_step"] = {"median": statistics.median(host), "max": max(host)}
+        for field in ("host_ms_per_step", "host_cpu_ms_per_step"):
+            host = [r[field] for r in repeats if field in r]
+            if host:
+                row[field] = {"median": statistics.median(host), "max": max(host)}
         summary[mode] = row
     return summary
 

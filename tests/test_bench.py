@@ -56,6 +56,8 @@ def test_harness_runs_every_mode_and_the_modes_do_what_they_claim(tmp_path):
     for mode in ("installed_idle", "steer", "seven"):  # the control plane's host time per step
         assert all(r["steps"] > 0 and r["host_ms_per_step"] > 0 for r in decode["runs"][mode]), mode
         assert decode["summary"][mode]["host_ms_per_step"]["median"] > 0
+        # the thread's CPU time in the same calls: positive, and no more than their wall time
+        assert all(0 < r["host_cpu_ms_per_step"] <= r["host_ms_per_step"] * 1.05 for r in decode["runs"][mode]), mode
     assert all(r["steps"] == 0 for r in decode["runs"]["armed_idle"])  # no resident op: nothing to prepare
     # the read logs' new chunks: the two reading apps' first ones come in the warm-up run; the toy's
     # reads then fit them (none in the timed runs), and no mode without a read makes any

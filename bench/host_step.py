@@ -8,13 +8,19 @@ A plane on the CPU (`--device cuda` for one on the GPU: pinned staging, its copi
 requests that finish every --request-steps steps (their reads taken, as a server does, and timed:
 `take_ms_per_request`) and new ones that take their places. What bench/serving.py's
 `host_ms_per_step` measures inside an engine, without the engine: the difference is time the host
-waits there.
+waits there. Per step, the wall time and the preparing thread's CPU time (`host_cpu_ms_per_step`).
+
+With --busy-thread a thread runs pure-Python work beside the steps, as vLLM's own threads do in an
+engine: each torch call in a step lets go of the GIL, and the step then waits until that thread
+gives it back (up to `sys.getswitchinterval()`, 5 ms by default) — a wait the wall time shows and
+the CPU time does not.
 """
 import argparse
 import json
 import platform
 import statistics
 import sys
+import threading
 import time
 
 import numpy as np
@@ -25,10 +31,14 @@ from bench.serving import seven_apps
 from xmix_lens import HookedServedModel
 from xmix_lens.backend.vllm.control import ControlPlane
 
+FIELDS = ("host_ms_per_step", "host_cpu_ms_per_step", "take_ms_per_request")
+BUSY_THREAD = "host-step-busy"
 
-def measure(model, device: torch.device, requests: int, steps: int, request_steps: int) -> tuple[float, float]:
-    """Mean host ms per prepared step, after a warm-up; and per finished request, the ms of taking
-    its reads (a batch's requests taken together, as a pass's or an API request's are)."""
+
+def measure(model, device: torch.device, requests: int, steps: int, request_steps: int) -> dict:
+    """After a warm-up, the host ms per prepared step (wall and this thread's CPU time); and per
+    finished request, the ms of taking its reads (a batch's requests taken together, as a pass's or
+    an API request's are)."""
     apps, _ = seven_apps(model.cfg)
     runtime = model.engine.runtime
     plane = ControlPlane(device, max(requests, 256), max_requests=requests)
@@ -37,8 +47,10 @@ def measure(model, device: torch.device, requests: int, steps: int, request_step
     names = [app.name for app in apps]
     query_start = np.arange(requests + 1)
     first_positions = np.arange(requests)  # each request's computed tokens, on the host as vLLM's runner keeps them
-    seconds, take_seconds, ids = [], [], []
+    take_seconds, ids = [], []
     for step in range(steps):
+        if step == steps // 5:  # the warm-up's steps not counted
+            plane.host_seconds, plane.host_cpu_seconds, plane.host_steps = 0.0, 0.0, 0
         if step % request_steps == 0:  # a new batch of requests; the last one's reads are taken
             plane.drain()
             started = time.perf_counter()
@@ -50,10 +62,19 @@ def measure(model, device: torch.device, requests: int, steps: int, request_step
             ids = [f"{step}-{r}" for r in range(requests)]
             for new in ids:
                 plane.select(new, names)
-        started = time.perf_counter()
         plane.prepare_step(ids, query_start, requests, first_positions)
-        seconds.append(time.perf_counter() - started)
-    return 1e3 * statistics.fmean(seconds[len(seconds) // 5:]), 1e3 * statistics.fmean(take_seconds)
+    return {"host_ms_per_step": 1e3 * plane.host_seconds / plane.host_steps,
+            "host_cpu_ms_per_step": 1e3 * plane.host_cpu_seconds / plane.host_steps,
+            "take_ms_per_request": 1e3 * statistics.fmean(take_seconds)}
+
+
+def busy_python(stop: threading.Event) -> None:
+    """Pure-Python work until stopped (dict updates: a scheduler's kind of work), holding the GIL
+    but at switch intervals."""
+    table = {}
+    while not stop.is_set():
+        for i in range(1000):
+            table[i % 97] = i
 
 
 def main(argv=None) -> dict:
@@ -64,6 +85,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--request-steps", type=int, default=128, help="steps a batch of requests lives")
     parser.add_argument("--dummy", action="store_true", help="load_format=dummy (a config folder, no weights)")
+    parser.add_argument("--busy-thread", action="store_true", help="a thread of pure-Python work beside the steps")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     model = HookedServedModel.from_pretrained(args.model, enforce_eager=True, max_model_len=128,
@@ -72,13 +94,20 @@ def main(argv=None) -> dict:
         result = {"command": "python -m bench.host_step " + " ".join(argv if argv is not None else sys.argv[1:]),
                   "machine": {"platform": platform.platform(), "processor": platform.processor()},
                   "versions": {"torch": torch.__version__, "numpy": np.__version__},
-                  "host_ms_per_step": {}, "take_ms_per_request": {}}
-        for n in args.requests.split(","):
-            result["host_ms_per_step"][n], result["take_ms_per_request"][n] = measure(
-                model, torch.device(args.device), int(n), args.steps, args.request_steps)
+                  "switch_interval_s": sys.getswitchinterval(), **{field: {} for field in FIELDS}}
+        stop = threading.Event()
+        if args.busy_thread:
+            threading.Thread(target=busy_python, args=(stop,), name=BUSY_THREAD, daemon=True).start()
+        try:
+            for n in args.requests.split(","):
+                measured = measure(model, torch.device(args.device), int(n), args.steps, args.request_steps)
+                for field in FIELDS:
+                    result[field][n] = measured[field]
+        finally:
+            stop.set()
     finally:
         model.shutdown()
-    print(json.dumps({k: result[k] for k in ("host_ms_per_step", "take_ms_per_request")}))
+    print(json.dumps({field: result[field] for field in FIELDS}))
     write_result(result, args.out)
     return result
 

@@ -170,15 +170,24 @@ def test_research_harness_runs_each_task_on_both_and_they_agree(tmp_path):
     assert set(generate["transformer_lens"]) == {generate["xmix_lens"]}  # prompt + new tokens, every batch
 
 
-def test_host_step_harness_times_prepare_step_with_requests_coming_and_going():
-    """bench/host_step.py at toy size: a time per step for each request count, over batches of
-    requests that finish (their reads taken) and are replaced."""
+@pytest.mark.parametrize("busy", [[], ["--busy-thread"]], ids=["alone", "busy_thread"])
+def test_host_step_harness_times_prepare_step_with_requests_coming_and_going(busy):
+    """bench/host_step.py at toy size: a time per step for each request count (wall and CPU, also
+    with a thread of Python work beside the steps), over batches of requests that finish (their
+    reads taken) and are replaced."""
+    import threading
+
     from bench import host_step
 
     result = host_step.main(["--model", str(tiny_llama()), "--requests", "4,8", "--steps", "30",
-                             "--request-steps", "7", "--dummy"])
-    for field in ("host_ms_per_step", "take_ms_per_request"):
+                             "--request-steps", "7", "--dummy", *busy])
+    for field in ("host_ms_per_step", "host_cpu_ms_per_step", "take_ms_per_request"):
         assert set(result[field]) == {"4", "8"} and all(v > 0 for v in result[field].values()), field
+    assert all(result["host_cpu_ms_per_step"][n] <= result["host_ms_per_step"][n] * 1.05 for n in ("4", "8"))
+    busy_threads = [t for t in threading.enumerate() if t.name == host_step.BUSY_THREAD]
+    for thread in busy_threads:
+        thread.join(timeout=5)
+    assert not any(t.is_alive() for t in busy_threads)  # stopped with the run
 
 
 def test_chunk_alloc_harness_times_steps_with_chunks_made_inline_and_ahead():

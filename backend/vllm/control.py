@@ -123,10 +123,9 @@ class _Choices(NamedTuple):
 class _Step:
     """A prepared step whose reads are not queued home yet."""
 
-    n_tokens: int
     read_ops: list  # the read ops on in the step (held: an uninstall before the copy home frees their rows)
-    owners: np.ndarray  # [len(read_ops), n_tokens]: each token's request number, -1 where the op is off
-    positions: np.ndarray  # [n_tokens] int64: each token's position in its request
+    owners: np.ndarray  # [len(read_ops), tokens]: each token's request number, -1 where the op is off
+    positions: np.ndarray  # [tokens] int64: each token's position in its request
 
 
 @dataclass
@@ -157,6 +156,7 @@ def _make_ahead(make) -> Future:
 @dataclass(eq=False)
 class _Chunk:
     values: torch.Tensor  # [rows, width], the read's dtype
+    values_np: np.ndarray  # the same memory as numpy sees it (_as_numpy)
     positions: np.ndarray  # [rows] int64
     owner: np.ndarray  # [rows] int64: the number of the request each row belongs to; -1: nobody's
     used: int = 0
@@ -177,7 +177,13 @@ class ReadLog:
     are plain host memory: pinning memory is a driver call, and each pinned chunk made while the
     engine ran cost a step in the tail: on the H200 a new 4 MiB chunk took 2.2 ms inline, and made
     on a helper thread the steps around it were still slower (docs/benchmarks.md, session 15). A
-    step whose values fill more than LANDING_SLOTS - 1 slots waits for its first ones' copies."""
+    step whose values fill more than LANDING_SLOTS - 1 slots waits for its first ones' copies.
+
+    A step's append makes one torch call (the copy home; and on a GPU the copy's event and the wait
+    for the slot's last copy): every torch call, a slice included, lets go of the GIL and then waits
+    to get it back, up to `sys.getswitchinterval()` (5 ms) while another thread runs Python (vLLM's
+    do: `bench/host_step.py --busy-thread`). So the slices of a steady step are made once and kept,
+    and the moves on the host are numpy copies, which keep the GIL."""
 
     RECYCLE_CHECKS = 4  # oldest chunks looked at when a chunk is needed
 
@@ -188,28 +194,45 @@ class ReadLog:
         self.chunks_made = 0  # a bench field: new chunks are the log's only allocations
         self._spare = _make_ahead(self._new_chunk)  # the next new chunk, made ahead
         self._landing = _host_empty((LANDING_SLOTS, self.chunk_rows, width), dtype, pin)
+        self._landing_np = _as_numpy(self._landing)
         self._landed = [torch.cuda.Event() for _ in range(LANDING_SLOTS)] if pin else None  # each slot's copy done
+        self._slot_rows: list[tuple[int, torch.Tensor | None]] = [(0, None)] * LANDING_SLOTS  # (n, slot[:n]), kept
+        self._source_rows: tuple = (None, 0, None)  # (a step's values buffer, n, its first n rows), kept
         self._moves: list[tuple | None] = [None] * LANDING_SLOTS  # per slot: (rows, chunk, first row) to move
         self._turns = 0  # slots used so far: the next is turns % LANDING_SLOTS, the oldest copy
 
     def append(self, values: torch.Tensor, positions: np.ndarray, owner: np.ndarray) -> None:
-        """Queue a step's copy home (stream ordered: its values are the step's once it is done)."""
+        """Queue a step's copy home (stream ordered: its values are the step's once it is done):
+        the first len(owner) rows of `values` (the op's step-values buffer)."""
         done, n = 0, len(owner)
         while done < n:
             chunk = self.chunks[-1] if self.chunks and self.chunks[-1].used < self.chunk_rows else self._next_chunk()
             k = min(n - done, self.chunk_rows - chunk.used)
-            self._land(values[done:done + k], chunk, chunk.used)
+            self._land(self._first_rows(values, k) if done == 0 else values[done:done + k], chunk, chunk.used)
             rows = slice(chunk.used, chunk.used + k)
             chunk.positions[rows] = positions[done:done + k]
             chunk.owner[rows] = owner[done:done + k]
             chunk.used += k
             done += k
 
+    def _first_rows(self, values: torch.Tensor, n: int) -> torch.Tensor:
+        """values[:n], the same view as the step before's when the buffer and n are (steady steps)."""
+        buffer, rows, view = self._source_rows
+        if buffer is not values or rows != n:
+            view = values[:n]
+            self._source_rows = (values, n, view)
+        return view
+
     def _land(self, values: torch.Tensor, chunk: _Chunk, first: int) -> None:
         slot = self._turns % LANDING_SLOTS
         self._turns += 1
         self._move(slot)  # the slot's last copy, into its chunk first
-        self._landing[slot, :len(values)].copy_(values, non_blocking=self._landed is not None)
+        n = len(values)
+        rows, target = self._slot_rows[slot]
+        if rows != n:
+            target = self._landing[slot, :n]
+            self._slot_rows[slot] = (n, target)
+        target.copy_(values, non_blocking=self._landed is not None)
         if self._landed is not None:
             self._landed[slot].record()
         self._moves[slot] = (len(values), chunk, first)
@@ -223,7 +246,7 @@ class ReadLog:
         k, chunk, first = move
         if self._landed is not None:
             self._landed[slot].synchronize()
-        chunk.values[first:first + k].copy_(self._landing[slot, :k])
+        chunk.values_np[first:first + k] = self._landing_np[slot, :k]
 
     def _settle(self) -> None:
         """Every landed value into its chunk (waits for copies not done yet)."""
@@ -248,7 +271,8 @@ class ReadLog:
 
     def _new_chunk(self) -> _Chunk:
         values = _host_empty((self.chunk_rows, self.width), self.dtype, pin=False)
-        return _Chunk(values, np.zeros(self.chunk_rows, dtype=np.int64), np.full(self.chunk_rows, -1, dtype=np.int64))
+        return _Chunk(values, _as_numpy(values), np.zeros(self.chunk_rows, dtype=np.int64),
+                      np.full(self.chunk_rows, -1, dtype=np.int64))
 
     def take(self, numbers: list[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """Requests' (positions [n], values [n, width]) by position, the latest value of a position
@@ -617,7 +641,7 @@ class ControlPlane:
             starts = query_start[:-1].astype(np.int64)
             positions = np.repeat(np.asarray(first_positions[: len(req_ids)], dtype=np.int64) - starts,
                                   np.diff(query_start)) + np.arange(n_tokens, dtype=np.int64)
-            self._unqueued = _Step(n_tokens, read_ops, owners, positions)
+            self._unqueued = _Step(read_ops, owners, positions)
 
     def _stage(self, layout, query_start, n_tokens, width, request_bits, numbers, req_ids) -> None:
         """A step's rows into `control` (staged on the host, one copy to the device), and the read ops
@@ -729,9 +753,8 @@ class ControlPlane:
         step, self._unqueued = self._unqueued, None
         if step is None:
             return
-        n = step.n_tokens
         for op, owner in zip(step.read_ops, step.owners):
-            op.log.append(op.step_values[:n], step.positions, owner)
+            op.log.append(op.step_values, step.positions, owner)
         if self._pin:
             self._copied_home.record()
 
@@ -740,6 +763,12 @@ class ControlPlane:
         self._queue_home()
         if self._pin:
             self._copied_home.synchronize()
+
+
+def _as_numpy(t: torch.Tensor) -> np.ndarray:
+    """A numpy view of a host tensor's memory, as integers of its element size (numpy has no
+    bfloat16): copies through it keep the GIL (see ReadLog)."""
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]).numpy()
 
 
 def _host_empty(shape: tuple, dtype: torch.dtype, pin: bool) -> torch.Tensor:

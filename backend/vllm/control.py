@@ -368,6 +368,9 @@ class ControlPlane:
         # per staging buffer, the (rows, width, tokens) and layout of the step it last held
         self._staged_shape: list[tuple | None] = [None] * STAGING_BUFFERS
         self._staged_layout: list[_Layout | None] = [None] * STAGING_BUFFERS
+        # per staging buffer, ((rows, width), its views for the copies to `control`), kept: each torch
+        # call, a slice too, lets go of the GIL (see ReadLog)
+        self._copy_views: list[tuple] = [((0, 0), None)] * STAGING_BUFFERS
         self._in_control: tuple | None = None  # what the rows in `control` were made from (_prepare's key)
         self._read_owners: tuple = ([], None)  # the read ops on in those rows, and each token's request number
         self._copied_home = torch.cuda.Event() if pin else None  # after the last queued copy into the read logs
@@ -674,9 +677,15 @@ class ControlPlane:
                               dtype=np.int32, count=len(req_ids))
             staging[op.index, TABLE, :n_tokens] = np.repeat(own, per_request)
         # launches read rows [:T], T (x's tokens, padding included) <= width: the rest may be stale
-        landing = self._landing[:size]
-        landing.copy_(self._staging[turn][:size], non_blocking=self._pin)
-        self.control[:rows_used, :, :width].copy_(landing.view(rows_used, 2, width))
+        dims, views = self._copy_views[turn]
+        if dims != (rows_used, width):
+            landing = self._landing[:size]
+            views = (self._staging[turn][:size], landing, landing.view(rows_used, 2, width),
+                     self.control[:rows_used, :, :width])
+            self._copy_views[turn] = ((rows_used, width), views)
+        staged, landing, landed, rows = views
+        landing.copy_(staged, non_blocking=self._pin)
+        rows.copy_(landed)
         if self._pin:
             self._staged_events[turn].record()
         read_ops, owners = [], None

@@ -166,8 +166,8 @@ class ReadLog:
     """One read op's values of every step, on the host, until their requests take them.
 
     Rows are appended a step at a time, each tagged with the number of the request its token
-    belongs to and its position. A request's rows are found by one comparison over the tags when it
-    takes them (`take`). When the log needs a chunk it first recycles its oldest ones whose rows
+    belongs to and its position. Requests' rows are found by one lookup of their numbers over the
+    tags when they are taken, those finishing together at once (`take`). When the log needs a chunk it first recycles its oldest ones whose rows
     are all nobody's or of requests no longer alive, so memory follows the reads not yet taken; a
     new chunk is made ahead, on a helper thread (`_make_ahead`).
 
@@ -235,7 +235,7 @@ class ReadLog:
         target.copy_(values, non_blocking=self._landed is not None)
         if self._landed is not None:
             self._landed[slot].record()
-        self._moves[slot] = (len(values), chunk, first)
+        self._moves[slot] = (n, chunk, first)
 
     def _move(self, slot: int) -> None:
         """The slot's landed values into their chunk's rows. Moves run in the order of their copies

@@ -400,7 +400,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--steer-std", type=float, default=0.05,
                         help="the steering vector's per-feature std. 0.05 is small beside a real model's residual; "
                              "a --dummy model's activations are about 1e-3, where it makes every token's residual "
-                             "the same vector, whose GEMMs draw less power and run faster than native's")
+                             "the same vector, and its GEMMs ran up to 18%% faster than native's (likely less power drawn: "
+                             "docs/benchmarks.md, session 16)")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     modes = args.modes.split(",")

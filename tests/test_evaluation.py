@@ -236,8 +236,8 @@ def wait_for_records(path, at_least: int, process, timeout: float = 300) -> None
 def test_interrupted_runs_resume_to_the_uninterrupted_result(config, tmp_path):
     """A real `xmix-lens eval` process stopped by SIGINT (Ctrl-C) and later by SIGKILL, resumed each
     time: every record once, equal to an uninterrupted run of the same command (an eager engine, as
-    the command asks: the compiled engine's rounding differs, and one greedy near-tie among the
-    115,200 tokens then picks another token)."""
+    the command asks: against the compiled engine, whose rounding differs, one token of the 115,200
+    differed once, likely a greedy near-tie)."""
     rows = [{"id": f"r{i}", "prompt": f"{PROMPTS[i % 4]} {i}", "apps": [["steer"], ["probe"], []][i % 3],
              "max_new_tokens": 48} for i in range(1200)]  # long enough that no run ends before its signal
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -167,9 +167,10 @@ class ReadLog:
 
     Rows are appended a step at a time, each tagged with the number of the request its token
     belongs to and its position. Requests' rows are found by one lookup of their numbers over the
-    tags when they are taken, those finishing together at once (`take`). When the log needs a chunk it first recycles its oldest ones whose rows
-    are all nobody's or of requests no longer alive, so memory follows the reads not yet taken; a
-    new chunk is made ahead, on a helper thread (`_make_ahead`).
+    tags when they are taken, those finishing together at once (`take`). When the log needs a
+    chunk it first recycles its oldest ones whose rows are all nobody's or of requests no longer
+    alive, so memory follows the reads not yet taken; a new chunk is made ahead, on a helper thread
+    (`_make_ahead`).
 
     A step's values are copied home into a landing slot (pinned on a GPU: the copy is stream
     ordered and non-blocking), made with the log, and moved into their chunk's rows on the host when

@@ -27,18 +27,18 @@ import numpy as np
 import torch
 
 from bench import write_result
-from bench.serving import seven_apps
+from bench.serving import HOST_FIELDS, seven_apps
 from xmix_lens import HookedServedModel
-from xmix_lens.backend.vllm.control import ControlPlane
+from xmix_lens.backend.vllm.control import ControlPlane, HostTime
 
-FIELDS = ("host_ms_per_step", "host_cpu_ms_per_step", "take_ms_per_request")
+FIELDS = HOST_FIELDS + ("take_ms_per_request",)
 BUSY_THREAD = "host-step-busy"
 
 
 def measure(model, device: torch.device, requests: int, steps: int, request_steps: int) -> dict:
-    """After a warm-up, the host ms per prepared step (wall and this thread's CPU time); and per
-    finished request, the ms of taking its reads (a batch's requests taken together, as a pass's or
-    an API request's are)."""
+    """After a warm-up (the first batch of requests), the host ms per prepared step (wall and this
+    thread's CPU time); and per finished request, the ms of taking its reads (a batch's requests
+    taken together, as a pass's or an API request's are)."""
     apps, _ = seven_apps(model.cfg)
     runtime = model.engine.runtime
     plane = ControlPlane(device, max(requests, 256), max_requests=requests)
@@ -49,8 +49,11 @@ def measure(model, device: torch.device, requests: int, steps: int, request_step
     first_positions = np.arange(requests)  # each request's computed tokens, on the host as vLLM's runner keeps them
     take_seconds, ids = [], []
     for step in range(steps):
-        if step == steps // 5:  # the warm-up's steps not counted
-            plane.host_seconds, plane.host_cpu_seconds, plane.host_steps = 0.0, 0.0, 0
+        # the warm-up not counted: the first batch of requests, while the read logs grow to the chunks
+        # they recycle from then on (each new chunk is made on a helper thread, in a few ms: a step here
+        # takes a tenth of a ms, not an engine's milliseconds, so the steps would wait for it)
+        if step == request_steps:
+            plane.host_time = HostTime()
         if step % request_steps == 0:  # a new batch of requests; the last one's reads are taken
             plane.drain()
             started = time.perf_counter()
@@ -63,9 +66,7 @@ def measure(model, device: torch.device, requests: int, steps: int, request_step
             for new in ids:
                 plane.select(new, names)
         plane.prepare_step(ids, query_start, requests, first_positions)
-    return {"host_ms_per_step": 1e3 * plane.host_seconds / plane.host_steps,
-            "host_cpu_ms_per_step": 1e3 * plane.host_cpu_seconds / plane.host_steps,
-            "take_ms_per_request": 1e3 * statistics.fmean(take_seconds)}
+    return {**plane.host_time.ms_per_step(), "take_ms_per_request": 1e3 * statistics.fmean(take_seconds)}
 
 
 def busy_python(stop: threading.Event) -> None:

@@ -14,8 +14,9 @@ Engines (all in-process, as the facade runs vLLM; one of each, built once):
 Each repeat draws fresh random prompt ids, the same for every mode, and runs the modes in turn
 (A B C ... A B C ...), after one warm-up run of each. Per run: mean and P99 inter-token latency,
 mean time to first token, total token throughput (prompt + output tokens / wall time), and on the
-xmix-lens engines the control plane's host time per step (`host_ms_per_step`, ControlPlane.prepare_step)
-and the new host chunks its read logs made (`read_chunks_made`);
+xmix-lens engines the control plane's host time per step (`host_ms_per_step`,
+ControlPlane.prepare_step; its CPU time, and the wall time per decode step alone: `HOST_FIELDS`) and
+the new host chunks its read logs made (`read_chunks_made`);
 and the mean and P99 ITL of the decode window (`decode_itl_ms`, `decode_p99_itl_ms`: gaps that start
 once every request has its first token, so that no step holds a prefill chunk, whose interleaving
 makes the whole run's ITL vary). Per engine: the tokens its KV cache holds and whether vLLM
@@ -40,6 +41,7 @@ import torch
 from bench import write_result
 from bench.kernels import resident_kernel_times
 from xmix_lens import App
+from xmix_lens.backend.vllm.control import HostTime
 from xmix_lens.model import IN_PROCESS_ENVIRONMENT
 
 # every engine here in-process, the native baseline too, as from_pretrained sets it for its own
@@ -48,6 +50,7 @@ for _name, _value in IN_PROCESS_ENVIRONMENT.items():
 
 WORKLOADS = {"decode": (32, 128, 256), "gpu": (256, 128, 128), "throughput": (512, 256, 128)}
 TOY_WORKLOADS = {"decode": (3, 12, 6)}
+HOST_FIELDS = tuple(HostTime().ms_per_step())  # the control plane's host time per step, as measured
 MODES = ["native", "installed_idle", "armed_idle", "steer", "seven", "eager_hook"]
 
 
@@ -229,16 +232,16 @@ def control_plane(engines, mode):
 
 
 def timed_run(engines, app_names, mode, prompts, out_len) -> dict:
-    """One run of a mode, with its engine's control-plane host time per step (wall and CPU)."""
+    """One run of a mode, with its engine's control-plane host time per step (wall and CPU; and
+    the wall time of decode steps alone)."""
     control = control_plane(engines, mode)
     if control is not None:
-        control.host_seconds, control.host_cpu_seconds, control.host_steps = 0.0, 0.0, 0
+        control.host_time = HostTime()
         chunks_before = read_chunks_made(control)
     run = run_once(set_mode(engines, app_names, mode), prompts, out_len)
     if control is not None:
-        run["host_ms_per_step"] = 1e3 * control.host_seconds / max(control.host_steps, 1)
-        run["host_cpu_ms_per_step"] = 1e3 * control.host_cpu_seconds / max(control.host_steps, 1)
-        run["steps"] = control.host_steps
+        run.update(control.host_time.ms_per_step())
+        run["steps"] = control.host_time.steps
         run["read_chunks_made"] = read_chunks_made(control) - chunks_before
     return run
 
@@ -285,7 +288,7 @@ def summarise(runs: dict) -> dict:
             noise = max((max(v) - min(v)) / statistics.median(v) for v in (values, native[m]))
             row[m] = {"median": med, "min": min(values), "max": max(values), "ratio_to_native": ratio,
                       "paired_ratio": paired, "noise": noise, "within_noise": abs(ratio - 1) <= noise}
-        for field in ("host_ms_per_step", "host_cpu_ms_per_step"):
+        for field in HOST_FIELDS:
             host = [r[field] for r in repeats if field in r]
             if host:
                 row[field] = {"median": statistics.median(host), "max": max(host)}

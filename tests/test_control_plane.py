@@ -336,10 +336,10 @@ def test_read_log_returns_each_requests_latest_values_across_chunks_and_recycles
     and chunks reused once nothing alive is left in them."""
     import numpy as np
 
-    from xmix_lens.backend.vllm.control import ReadLog
+    from xmix_lens.backend.vllm.control import HomeCopies, ReadLog
 
     alive = {0, 1, 2, 3}
-    log = ReadLog(3, torch.float32, pin=False, alive=lambda: np.array(sorted(alive), dtype=np.int64),
+    log = ReadLog(3, torch.float32, HomeCopies(pin=False), alive=lambda: np.array(sorted(alive), dtype=np.int64),
                   chunk_rows=8)  # small chunks: steps cross them
     gen = torch.Generator().manual_seed(0)
     expected = {}
@@ -371,6 +371,45 @@ def test_read_log_returns_each_requests_latest_values_across_chunks_and_recycles
     assert torch.equal(values, torch.stack([expected[3][p] for p in sorted(expected[3])]))
 
 
+def test_home_copies_wait_for_each_mark_once_and_never_record_over_one_not_done(monkeypatch):
+    """The read logs' copies home share one event a step (control.HomeCopies): a slot's move waits
+    for the mark after its copy (marking the step first if its copies are not marked yet), a mark
+    known done is not waited for again, and an event is recorded again only once the mark it
+    stood for is known done. Events here log what the device would be asked."""
+    from xmix_lens.backend.vllm import control
+
+    calls = []
+
+    class Event:
+        def __init__(self):
+            self.index = len(calls)
+            calls.append(("made", self.index))
+
+        def record(self):
+            calls.append(("record", self.index))
+
+        def synchronize(self):
+            calls.append(("synchronize", self.index))
+
+    monkeypatch.setattr(control.torch.cuda, "Event", Event)
+    monkeypatch.setattr(control.HomeCopies, "EVENTS", 3)
+    copies = control.HomeCopies(pin=True)
+    del calls[:]
+    copies.mark(), copies.mark()  # marks 0 and 1 (events 0, 1)
+    copies.wait(0)
+    copies.wait(0)  # known done: no call
+    assert calls == [("record", 0), ("record", 1), ("synchronize", 0)]
+    del calls[:]
+    copies.wait(2)  # copies queued since mark 1: marked now, then waited for
+    assert calls == [("record", 2), ("synchronize", 2)] and copies.done == 3 and copies.marks == 3
+    del calls[:]
+    copies.mark(), copies.mark(), copies.mark()  # marks 3-5 record over events of marks 0-2: all known done
+    assert calls == [("record", 0), ("record", 1), ("record", 2)]
+    del calls[:]
+    copies.mark()  # mark 6 over mark 3's event, never waited for: waited for first
+    assert calls == [("synchronize", 0), ("record", 0)] and copies.done == 4
+
+
 def test_a_read_logs_new_chunks_are_made_ahead_on_a_helper_thread(monkeypatch):
     """A log makes its next chunk on a helper thread while the steps run, never on the thread that
     appends a step's values; its landing slots are made with it; it counts the chunks it made."""
@@ -387,7 +426,7 @@ def test_a_read_logs_new_chunks_are_made_ahead_on_a_helper_thread(monkeypatch):
         return torch.empty(shape, dtype=dtype)
 
     monkeypatch.setattr(control, "_host_empty", host_empty)
-    log = control.ReadLog(2, torch.float32, pin=False, alive=lambda: np.arange(1), chunk_rows=4)
+    log = control.ReadLog(2, torch.float32, control.HomeCopies(pin=False), alive=lambda: np.arange(1), chunk_rows=4)
     assert ("MainThread", 3) in made  # the landing slots, [slots, rows, width]
     for step in range(5):  # request 0 stays alive: no chunk is recycled, each step needs a new one
         log.append(torch.full((4, 2), float(step)), np.arange(4), np.zeros(4, dtype=np.int64))

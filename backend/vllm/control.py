@@ -115,6 +115,7 @@ class _Choices(NamedTuple):
     version: int  # the plane's choices version they were made at
     req_ids: list
     bits: np.ndarray  # [requests] uint64: each request's active apps (bit i: the i-th installed app)
+    any_on: bool  # whether any request has an active app
     numbers: np.ndarray | None  # [requests]: each request's number in the read logs
     serial: int  # one per _Choices made: equal serials, equal choices
 
@@ -126,6 +127,34 @@ class _Step:
     read_ops: list  # the read ops on in the step (held: an uninstall before the copy home frees their rows)
     owners: np.ndarray  # [len(read_ops), tokens]: each token's request number, -1 where the op is off
     positions: np.ndarray  # [tokens] int64: each token's position in its request
+
+
+@dataclass
+class HostTime:
+    """The control plane's host time in prepare_step (bench fields): wall time and this thread's CPU
+    time (their difference is time waited: for the GIL held by another thread, for the device, for
+    the OS); and the wall time of decode steps alone (a token a request: most of a generation's
+    steps, those whose host time a host-bound engine shows in its ITL; prefill steps' is hidden
+    behind their long forward)."""
+
+    wall: float = 0.0
+    cpu: float = 0.0
+    steps: int = 0
+    decode_wall: float = 0.0
+    decode_steps: int = 0
+
+    def add(self, wall: float, cpu: float, decode: bool) -> None:
+        self.wall += wall
+        self.cpu += cpu
+        self.steps += 1
+        if decode:
+            self.decode_wall += wall
+            self.decode_steps += 1
+
+    def ms_per_step(self) -> dict:
+        return {"host_ms_per_step": 1e3 * self.wall / max(self.steps, 1),
+                "host_cpu_ms_per_step": 1e3 * self.cpu / max(self.steps, 1),
+                "host_ms_per_decode_step": 1e3 * self.decode_wall / max(self.decode_steps, 1)}
 
 
 @dataclass
@@ -153,6 +182,44 @@ def _make_ahead(make) -> Future:
     return _chunk_maker[1].submit(make)
 
 
+class HomeCopies:
+    """The copies home of the read logs, in the order they are queued on the device's stream: all of a
+    step's copies, every log's, are marked by one event recorded after the last of them (`mark`), and a
+    landing slot's values are moved once the mark after their copy is done (`wait`). So a steady step
+    makes one event record and at most one synchronize whatever the number of read logs (each torch
+    call costs the host: see ReadLog). On the CPU the copies are done when made: nothing to record."""
+
+    EVENTS = 16  # marks' events, recorded in turn
+
+    def __init__(self, pin: bool):
+        self.pinned = pin  # the landing slots pinned, the copies non-blocking
+        self._events = [torch.cuda.Event() for _ in range(self.EVENTS)] if pin else None
+        self.marks = 0  # marks made: copies queued now are covered by mark number `marks`
+        self.done = 0  # the marks below this are known done
+
+    def mark(self) -> None:
+        """After a step's copies."""
+        if self._events is not None:
+            oldest = self.marks - self.EVENTS  # the mark whose event is recorded again now
+            if oldest >= self.done:  # not known done: waited for (16 steps old, in practice done)
+                self._events[oldest % self.EVENTS].synchronize()
+                self.done = oldest + 1
+            self._events[self.marks % self.EVENTS].record()
+        self.marks += 1
+
+    def wait(self, mark: int) -> None:
+        """Until the copies that mark number `mark` covers are done (marked now if it is not made yet)."""
+        if self._events is None or mark < self.done:
+            return
+        if mark == self.marks:
+            self.mark()
+        self._events[mark % self.EVENTS].synchronize()
+        self.done = mark + 1
+
+    def wait_all(self) -> None:
+        self.wait(self.marks - 1)
+
+
 @dataclass(eq=False)
 class _Chunk:
     values: torch.Tensor  # [rows, width], the read's dtype
@@ -174,32 +241,35 @@ class ReadLog:
 
     A step's values are copied home into a landing slot (pinned on a GPU: the copy is stream
     ordered and non-blocking), made with the log, and moved into their chunk's rows on the host when
-    the slot comes round again (its copy is steps old by then: done) or before a take. The chunks
-    are plain host memory: pinning memory is a driver call, and each pinned chunk made while the
-    engine ran cost a step in the tail: on the H200 a new 4 MiB chunk took 2.2 ms inline, and made
-    on a helper thread the steps around it were still slower (docs/benchmarks.md, session 15). A
-    step whose values fill more than LANDING_SLOTS - 1 slots waits for its first ones' copies.
+    the slot comes round again (its copy is steps old by then: done, `HomeCopies`) or before a take.
+    The chunks are plain host memory: pinning memory is a driver call, and each pinned chunk made
+    while the engine ran cost a step in the tail: on the H200 a new 4 MiB chunk took 2.2 ms inline,
+    and made on a helper thread the steps around it were still slower (docs/benchmarks.md, session
+    15). A step whose values fill more than LANDING_SLOTS - 1 slots waits for its first ones'
+    copies. A new chunk's pages are written once on the helper thread (numpy lets go of the GIL
+    there): a page's first write faults, and on the steps' thread the first pass through a chunk
+    cost 20 times the copies' own time (`bench/host_step.py` on this CPU: 170 against 7 us a step
+    at 256 requests).
 
-    A step's append makes one torch call (the copy home; and on a GPU the copy's event and the wait
-    for the slot's last copy): every torch call, a slice included, lets go of the GIL and then waits
-    to get it back, up to `sys.getswitchinterval()` (5 ms) while another thread runs Python (vLLM's
-    do: `bench/host_step.py --busy-thread`). So the slices of a steady step are made once and kept,
-    and the moves on the host are numpy copies, which keep the GIL."""
+    A step's append makes one torch call (the copy home; the step's event is `HomeCopies`'): every
+    torch call, a slice included, lets go of the GIL and then waits to get it back, up to
+    `sys.getswitchinterval()` (5 ms) while another thread runs Python (vLLM's do: `bench/host_step.py
+    --busy-thread`). So the slices of a steady step are made once and kept, and the moves on the
+    host are numpy copies."""
 
     RECYCLE_CHECKS = 4  # oldest chunks looked at when a chunk is needed
 
-    def __init__(self, width: int, dtype: torch.dtype, pin: bool, alive, chunk_rows: int | None = None):
-        self.width, self.dtype, self.alive = width, dtype, alive  # alive(): the numbers of requests alive
+    def __init__(self, width: int, dtype: torch.dtype, copies: HomeCopies, alive, chunk_rows: int | None = None):
+        self.width, self.dtype, self.alive, self.copies = width, dtype, alive, copies  # alive(): requests alive
         self.chunk_rows = chunk_rows or max(256, min(65536, CHUNK_BYTES // (dtype.itemsize * width)))
         self.chunks: list[_Chunk] = []  # in the order they were filled (a recycled chunk goes last)
         self.chunks_made = 0  # a bench field: new chunks are the log's only allocations
         self._spare = _make_ahead(self._new_chunk)  # the next new chunk, made ahead
-        self._landing = _host_empty((LANDING_SLOTS, self.chunk_rows, width), dtype, pin)
+        self._landing = _host_empty((LANDING_SLOTS, self.chunk_rows, width), dtype, copies.pinned)
         self._landing_np = _as_numpy(self._landing)
-        self._landed = [torch.cuda.Event() for _ in range(LANDING_SLOTS)] if pin else None  # each slot's copy done
         self._slot_rows: list[tuple[int, torch.Tensor | None]] = [(0, None)] * LANDING_SLOTS  # (n, slot[:n]), kept
         self._source_rows: tuple = (None, 0, None)  # (a step's values buffer, n, its first n rows), kept
-        self._moves: list[tuple | None] = [None] * LANDING_SLOTS  # per slot: (rows, chunk, first row) to move
+        self._moves: list[tuple | None] = [None] * LANDING_SLOTS  # per slot: (rows, chunk, first row, mark) to move
         self._turns = 0  # slots used so far: the next is turns % LANDING_SLOTS, the oldest copy
 
     def append(self, values: torch.Tensor, positions: np.ndarray, owner: np.ndarray) -> None:
@@ -233,10 +303,8 @@ class ReadLog:
         if rows != n:
             target = self._landing[slot, :n]
             self._slot_rows[slot] = (n, target)
-        target.copy_(values, non_blocking=self._landed is not None)
-        if self._landed is not None:
-            self._landed[slot].record()
-        self._moves[slot] = (n, chunk, first)
+        target.copy_(values, non_blocking=self.copies.pinned)
+        self._moves[slot] = (n, chunk, first, self.copies.marks)
 
     def _move(self, slot: int) -> None:
         """The slot's landed values into their chunk's rows. Moves run in the order of their copies
@@ -244,9 +312,8 @@ class ReadLog:
         move, self._moves[slot] = self._moves[slot], None
         if move is None:
             return
-        k, chunk, first = move
-        if self._landed is not None:
-            self._landed[slot].synchronize()
+        k, chunk, first, mark = move
+        self.copies.wait(mark)
         chunk.values_np[first:first + k] = self._landing_np[slot, :k]
 
     def _settle(self) -> None:
@@ -271,8 +338,11 @@ class ReadLog:
         return chunk
 
     def _new_chunk(self) -> _Chunk:
+        """A chunk with every page written once (see ReadLog)."""
         values = _host_empty((self.chunk_rows, self.width), self.dtype, pin=False)
-        return _Chunk(values, _as_numpy(values), np.zeros(self.chunk_rows, dtype=np.int64),
+        values_np = _as_numpy(values)
+        values_np.fill(0)
+        return _Chunk(values, values_np, np.full(self.chunk_rows, 0, dtype=np.int64),
                       np.full(self.chunk_rows, -1, dtype=np.int64))
 
     def take(self, numbers: list[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
@@ -374,7 +444,7 @@ class ControlPlane:
         self._copy_views: list[tuple] = [((0, 0), None)] * STAGING_BUFFERS
         self._in_control: tuple | None = None  # what the rows in `control` were made from (_prepare's key)
         self._read_owners: tuple = ([], None)  # the read ops on in those rows, and each token's request number
-        self._copied_home = torch.cuda.Event() if pin else None  # after the last queued copy into the read logs
+        self._copies_home = HomeCopies(pin)  # the read logs' copies home, and their events
         self._unqueued: _Step | None = None  # the prepared step whose reads are not queued home yet
         self._pin = pin
         self._number: dict[str, int] = {}  # request id -> its number in the read logs
@@ -385,9 +455,7 @@ class ControlPlane:
         self._selected_sites: tuple | None = None  # (choices version, *selected_sites())
         self._last_choices: _Choices | None = None
         self._choices_made = 0
-        # host time in prepare_step (bench fields): wall time, and this thread's CPU time in it (the
-        # difference is time waited: for the GIL held by another thread, for the device, for the OS)
-        self.host_seconds, self.host_cpu_seconds, self.host_steps = 0.0, 0.0, 0
+        self.host_time = HostTime()  # in prepare_step (bench fields)
         self._bit: dict[str, int] = {}  # app name -> its bit in the per-request masks
         self._request_bits: dict[str, int] = {}  # request id -> the bits of its selected apps
         self._default_bits = 0
@@ -424,7 +492,8 @@ class ControlPlane:
                 if isinstance(op, (Read, GeneratedRead)):
                     width = int(np.prod(op.feature_shape, dtype=np.int64))
                     entry.step_values = torch.zeros(self.max_tokens, width, dtype=self.read_dtype, device=self.device)
-                    entry.log = ReadLog(width, self.read_dtype, self._pin, self._alive_numbers) if self.delivers else None
+                    if self.delivers:
+                        entry.log = ReadLog(width, self.read_dtype, self._copies_home, self._alive_numbers)
                 self.slots += [None] * (entry.index + 1 - len(self.slots))
                 self.slots[entry.index] = entry
                 self.by_site.setdefault(site, []).append(entry)
@@ -619,33 +688,35 @@ class ControlPlane:
             return
         started, cpu_started = time.perf_counter(), time.thread_time()
         self._prepare(req_ids, query_start, n_tokens, first_positions, n_padded)
-        self.host_seconds += time.perf_counter() - started
-        self.host_cpu_seconds += time.thread_time() - cpu_started
-        self.host_steps += 1
+        self.host_time.add(time.perf_counter() - started, time.thread_time() - cpu_started,
+                           decode=n_tokens == len(req_ids))
 
     def _prepare(self, req_ids, query_start, n_tokens, first_positions, n_padded) -> None:
         self._queue_home()
-        query_start = np.asarray(query_start[: len(req_ids) + 1])
+        n = len(req_ids)
+        query_start = np.asarray(query_start[: n + 1])
         layout = self._layout or self._make_layout()
         choices = self._choices(req_ids, need_numbers=len(layout.reads) > 0)
-        request_bits = choices.bits
-        if not request_bits.any() and self._idle:
+        if not choices.any_on and self._idle:
             return  # the device rows are all -1 already (up to max_tokens): nothing to write
         # a step with no app resets every row (idle steps after it skip the copy); others the step's
-        width = max(n_padded or n_tokens, n_tokens) if request_bits.any() else self.max_tokens
+        width = max(n_padded or n_tokens, n_tokens) if choices.any_on else self.max_tokens
         # the rows follow from this (the same requests and choices, token counts and layout): in most
         # decode steps it is the step before's, whose rows `control` holds already
         key = (choices.serial, n_tokens, width, query_start.tobytes())
         if self._in_control != key:
-            self._stage(layout, query_start, n_tokens, width, request_bits, choices.numbers, req_ids)
+            self._stage(layout, query_start, n_tokens, width, choices.bits, choices.numbers, req_ids)
             self._in_control = key
-        self._idle = not request_bits.any()
+        self._idle = not choices.any_on
         read_ops, owners = self._read_owners
-        if read_ops:  # each token's position: its request's first, plus its index past the request's start
-            starts = query_start[:-1].astype(np.int64)
-            positions = np.repeat(np.asarray(first_positions[: len(req_ids)], dtype=np.int64) - starts,
+        if not read_ops:
+            return
+        if n_tokens == n:  # a decode step: each request's one token is at its first position (a copy:
+            positions = np.array(first_positions[:n], dtype=np.int64)  # vLLM reuses its buffer)
+        else:  # each token's position: its request's first, plus its index past the request's start
+            positions = np.repeat(np.asarray(first_positions[:n], dtype=np.int64) - query_start[:-1],
                                   np.diff(query_start)) + np.arange(n_tokens, dtype=np.int64)
-            self._unqueued = _Step(read_ops, owners, positions)
+        self._unqueued = _Step(read_ops, owners, positions)
 
     def _stage(self, layout, query_start, n_tokens, width, request_bits, numbers, req_ids) -> None:
         """A step's rows into `control` (staged on the host, one copy to the device), and the read ops
@@ -721,7 +792,8 @@ class ControlPlane:
         bits = np.fromiter((chosen.get(r, default) for r in req_ids), dtype=np.uint64, count=len(req_ids))
         numbers = self._request_numbers(req_ids) if need_numbers else None
         self._choices_made += 1
-        self._last_choices = _Choices(self._choices_version, list(req_ids), bits, numbers, self._choices_made)
+        self._last_choices = _Choices(self._choices_version, list(req_ids), bits, bool(bits.any()), numbers,
+                                      self._choices_made)
         return self._last_choices
 
     def _request_numbers(self, req_ids: list[str]) -> np.ndarray:
@@ -765,14 +837,12 @@ class ControlPlane:
             return
         for op, owner in zip(step.read_ops, step.owners):
             op.log.append(op.step_values, step.positions, owner)
-        if self._pin:
-            self._copied_home.record()
+        self._copies_home.mark()
 
     def drain(self) -> None:
         """Every read of the steps run so far in the read logs (before results are taken)."""
         self._queue_home()
-        if self._pin:
-            self._copied_home.synchronize()
+        self._copies_home.wait_all()
 
 
 def _as_numpy(t: torch.Tensor) -> np.ndarray:

@@ -279,7 +279,7 @@ class ReadLog:
         while done < n:
             chunk = self.chunks[-1] if self.chunks and self.chunks[-1].used < self.chunk_rows else self._next_chunk()
             k = min(n - done, self.chunk_rows - chunk.used)
-            self._land(self._first_rows(values, k) if done == 0 else values[done:done + k], chunk, chunk.used)
+            self._land(self._first_rows(values, k) if done == 0 else values[done:done + k], k, chunk, chunk.used)
             rows = slice(chunk.used, chunk.used + k)
             chunk.positions[rows] = positions[done:done + k]
             chunk.owner[rows] = owner[done:done + k]
@@ -294,11 +294,11 @@ class ReadLog:
             self._source_rows = (values, n, view)
         return view
 
-    def _land(self, values: torch.Tensor, chunk: _Chunk, first: int) -> None:
+    def _land(self, values: torch.Tensor, n: int, chunk: _Chunk, first: int) -> None:
+        """`values` (n rows) copied into the next landing slot, to move to the chunk's rows from `first` later."""
         slot = self._turns % LANDING_SLOTS
         self._turns += 1
         self._move(slot)  # the slot's last copy, into its chunk first
-        n = len(values)
         rows, target = self._slot_rows[slot]
         if rows != n:
             target = self._landing[slot, :n]

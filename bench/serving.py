@@ -400,11 +400,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.2)
     parser.add_argument("--profile", action="store_true",
                         help="profile decode and prefill steps natively and with seven apps (kernels, host calls)")
-    parser.add_argument("--steer-std", type=float, default=0.05,
-                        help="the steering vector's per-feature std. 0.05 is small beside a real model's residual; "
-                             "a --dummy model's activations are about 1e-3, where it makes every token's residual "
-                             "the same vector, and its GEMMs ran up to 18%% faster than native's (likely less power drawn: "
-                             "docs/benchmarks.md, session 16)")
+    parser.add_argument("--steer-std", type=float, default=None,
+                        help="the steering vector's per-feature std; by default 0.05 (small beside a real model's "
+                             "residual), with --dummy 5e-5: a dummy model's activations are about 1e-3, where 0.05 "
+                             "makes every token's residual the same vector and its GEMMs ran up to 18%% faster than "
+                             "native's (likely less power drawn: docs/benchmarks.md, sessions 16 and 17)")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     modes = args.modes.split(",")
@@ -413,6 +413,8 @@ def main(argv=None) -> dict:
         parser.error(f"--modes: unknown {unknown}; choose from {MODES}, native included (the baseline)")
     if "eager_hook" in modes and args.tensor_parallel_size > 1:
         parser.error("eager_hook adds a torch hook to an in-process model: drop it from --modes under TP")
+    if args.steer_std is None:
+        args.steer_std = 5e-5 if args.dummy else 0.05
     engines, app_names, build_seconds = build_engines(args, modes)
     vocab = engines["native"].llm_engine.model_config.get_vocab_size()
     table = TOY_WORKLOADS if args.toy else WORKLOADS
@@ -420,7 +422,7 @@ def main(argv=None) -> dict:
               "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(),
                           "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None},
               "versions": {"torch": torch.__version__, "vllm": __import__("vllm").__version__},
-              "engine_build_s": build_seconds, "apps": app_names, "workloads": {},
+              "engine_build_s": build_seconds, "apps": app_names, "steer_std": args.steer_std, "workloads": {},
               "kv_capacity_tokens": {name: kv_capacity_tokens(engine) for name, engine in engines.items()},
               # whether vLLM prepares the next step while the GPU runs this one (host work hidden)
               "async_scheduling": {name: vllm_config(engine).scheduler_config.async_scheduling

@@ -21,7 +21,8 @@ and the mean and P99 ITL of the decode window (`decode_itl_ms`, `decode_p99_itl_
 once every request has its first token, so that no step holds a prefill chunk, whose interleaving
 makes the whole run's ITL vary). Per engine: the tokens its KV cache holds and whether vLLM
 schedules asynchronously (prepares a step while the GPU runs the one before, hiding host work).
-With --profile, decode steps and the prefill step (what TTFT is made of) of each workload are
+With --profile, decode steps, the prefill step (what TTFT is made of) and a mixed step (a prefill
+among decodes: where P99 ITL falls) of each workload are
 profiled on native vLLM and with the seven apps active (decode steps also on the production
 engine with no app chosen: what installed-idle costs): every CUDA kernel's time and launches,
 xmix-lens's own and the step's total, and on the host the step's wall time and the CUDA runtime
@@ -312,10 +313,15 @@ def idle_time(intervals: list[tuple[float, float]]) -> float:
     return idle
 
 
-def step_profile(llm, prompts, control=None, prefill=False) -> dict:
-    """Profiled steps: decode steps (graph-replayed on a GPU; prompts cut to PROFILED_PROMPT_LEN,
-    so that the whole batch prefills in the first step), or with `prefill` the first step of the
-    whole prompts (their prefill, or its first chunk). Per CUDA kernel name, launches and device
+PROFILED_STEP_KINDS = ("decode", "prefill", "mixed")
+
+
+def step_profile(llm, prompts, control=None, kind="decode") -> dict:
+    """Profiled steps of a kind: "decode" steps (graph-replayed on a GPU; prompts cut to
+    PROFILED_PROMPT_LEN, so that the whole batch prefills in the first step); the "prefill" step, the
+    first of the whole prompts (their prefill, or its first chunk); the "mixed" step, the first of
+    the whole prompts of the batch's second half while its first half decodes (a prefill chunk among
+    decodes: the steps where the whole run's P99 ITL falls). Per CUDA kernel name, launches and device
     time (the step's total and xmix-lens's share); on the host, the step's wall time and the CUDA
     runtime calls by name (a long cudaMemcpyAsync or a synchronize is the host waiting for the GPU),
     also those made inside the control plane's `prepare_step` (`control`: the engine's); and the
@@ -327,12 +333,15 @@ def step_profile(llm, prompts, control=None, prefill=False) -> dict:
 
     engine = llm.llm_engine
     params = SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.0, detokenize=False)
-    prompt_len = max(len(p) for p in prompts) if prefill else PROFILED_PROMPT_LEN
-    steps = 1 if prefill else PROFILED_STEPS
-    for i, p in enumerate(prompts):
-        engine.add_request(f"profile-{i}", TokensPrompt(prompt_token_ids=p[:prompt_len]), params)
-    for _ in range(0 if prefill else 3):  # the prefill, and the first decode steps
+    whole = max(len(p) for p in prompts)
+    decoding = {"decode": prompts, "prefill": [], "mixed": prompts[: len(prompts) // 2]}[kind]
+    for i, p in enumerate(decoding):  # short prompts: prefilled in one step, then decoding
+        engine.add_request(f"profile-{i}", TokensPrompt(prompt_token_ids=p[:PROFILED_PROMPT_LEN]), params)
+    for _ in range(3 if decoding else 0):  # the prefill, and the first decode steps
         engine.step()
+    for i, p in enumerate(prompts[len(decoding):], start=len(decoding)):  # whole prompts, prefilled next
+        engine.add_request(f"profile-{i}", TokensPrompt(prompt_token_ids=p), params)
+    steps = PROFILED_STEPS if kind == "decode" else 1
     gpu = torch.cuda.is_available()
     if gpu:
         torch.cuda.synchronize()
@@ -380,7 +389,8 @@ def step_profile(llm, prompts, control=None, prefill=False) -> dict:
     if windows:
         host["prepare_step_us"] = sum(b - a for a, b in windows) / steps
         host["runtime_calls_in_prepare_step"] = in_prepare
-    return {"requests": len(prompts), "prompt_len": prompt_len, "per_step_of": steps,
+    return {"requests": len(prompts), "prompt_len": PROFILED_PROMPT_LEN if kind == "decode" else whole,
+            "decoding": len(decoding) if kind == "mixed" else None, "per_step_of": steps,
             "step_gpu_us": total, "xmix_us": ours, "xmix_share": ours / total if total else None, "kernels": kernels,
             "host": host}
 
@@ -468,13 +478,12 @@ def main(argv=None) -> dict:
         if args.profile and "production" in engines:
             batch = prompts()
             profiled = result["workloads"][workload]
-            profiled["decode_step_native"] = step_profile(engines["native"], batch)
-            profiled["prefill_step_native"] = step_profile(engines["native"], batch, prefill=True)
+            for kind in PROFILED_STEP_KINDS:  # native, and with the seven apps
+                profiled[f"{kind}_step_native"] = step_profile(engines["native"], batch, kind=kind)
+                llm = set_mode(engines, app_names, "seven")
+                profiled[f"{kind}_step_kernels"] = step_profile(llm, batch, control_plane(engines, "seven"), kind)
             llm = set_mode(engines, app_names, "installed_idle")
             profiled["decode_step_idle"] = step_profile(llm, batch, control_plane(engines, "installed_idle"))
-            llm = set_mode(engines, app_names, "seven")
-            profiled["decode_step_kernels"] = step_profile(llm, batch, control_plane(engines, "seven"))
-            profiled["prefill_step_kernels"] = step_profile(llm, batch, control_plane(engines, "seven"), prefill=True)
             reset(engines, app_names)
         write_result(result, args.out)  # after each workload: a run cut short keeps what it measured
     return result

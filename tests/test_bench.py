@@ -40,6 +40,7 @@ def test_harness_runs_every_mode_and_the_modes_do_what_they_claim(tmp_path):
     serving.main(["--model", str(tiny_llama()), "--toy", "--eager-engines", "--repeats", "2",
                   "--max-model-len", "128", "--dtype", "float32", "--profile", "--out", str(out)])
     result = json.loads(out.read_text())
+    assert result["steer_std"] == 0.05  # a real model's (not --dummy)
     decode = result["workloads"]["decode"]
     assert set(decode["summary"]) == set(serving.MODES)
     for mode, row in decode["summary"].items():
@@ -58,6 +59,7 @@ def test_harness_runs_every_mode_and_the_modes_do_what_they_claim(tmp_path):
         assert decode["summary"][mode]["host_ms_per_step"]["median"] > 0
         # the thread's CPU time in the same calls: positive, and no more than their wall time
         assert all(0 < r["host_cpu_ms_per_step"] <= r["host_ms_per_step"] * 1.05 for r in decode["runs"][mode]), mode
+        assert all(r["host_ms_per_decode_step"] > 0 for r in decode["runs"][mode]), mode  # decode steps seen
     assert all(r["steps"] == 0 for r in decode["runs"]["armed_idle"])  # no resident op: nothing to prepare
     # the read logs' new chunks: the two reading apps' first ones come in the warm-up run; the toy's
     # reads then fit them (none in the timed runs), and no mode without a read makes any
@@ -68,10 +70,13 @@ def test_harness_runs_every_mode_and_the_modes_do_what_they_claim(tmp_path):
     idle = decode["decode_step_idle"]
     assert idle["per_step_of"] == serving.PROFILED_STEPS and 0 < idle["host"]["prepare_step_us"] < idle["host"]["step_wall_us"]
     # the profiled decode steps: the control plane's time is inside the step's, and only with apps
-    for step in ("decode", "prefill"):
+    for step in serving.PROFILED_STEP_KINDS:
         native, seven = decode[f"{step}_step_native"]["host"], decode[f"{step}_step_kernels"]["host"]
         assert "prepare_step_us" not in native and native["step_wall_us"] > 0
         assert 0 < seven["prepare_step_us"] < seven["step_wall_us"]
+    # the mixed step: the batch's second half prefilled while its first half decodes
+    assert decode["mixed_step_kernels"]["decoding"] == decode["requests"] // 2
+    assert decode["mixed_step_kernels"]["per_step_of"] == 1
     # the prefill step: one step over the whole prompts; the decode steps after short prompts
     assert decode["prefill_step_kernels"]["per_step_of"] == 1
     assert decode["prefill_step_kernels"]["prompt_len"] == decode["prompt_len"]

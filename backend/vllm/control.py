@@ -134,8 +134,8 @@ class HostTime:
     """The control plane's host time in prepare_step (bench fields): wall time and this thread's CPU
     time (their difference is time waited: for the GIL held by another thread, for the device, for
     the OS); and the wall time of decode steps alone (a token a request: most of a generation's
-    steps, those whose host time a host-bound engine shows in its ITL; prefill steps' is hidden
-    behind their long forward)."""
+    steps, those whose host time a host-bound engine shows in its ITL; prefill steps' is prepared
+    beside forwards tens to hundreds of times longer)."""
 
     wall: float = 0.0
     cpu: float = 0.0
@@ -248,8 +248,8 @@ class ReadLog:
     15). A step whose values fill more than LANDING_SLOTS - 1 slots waits for its first ones'
     copies. A new chunk's pages are written once on the helper thread (numpy lets go of the GIL
     there): a page's first write faults, and on the steps' thread the first pass through a chunk
-    cost 20 times the copies' own time (`bench/host_step.py` on this CPU: 170 against 7 us a step
-    at 256 requests).
+    cost 20 times the copies' own time (`ReadLog._move` timed inside `bench/host_step.py` on this
+    CPU: 170 against 7 us a step at 256 requests).
 
     A step's append makes one torch call (the copy home; the step's event is `HomeCopies`'): every
     torch call, a slice included, lets go of the GIL and then waits to get it back, up to
@@ -847,7 +847,7 @@ class ControlPlane:
 
 def _as_numpy(t: torch.Tensor) -> np.ndarray:
     """A numpy view of a host tensor's memory, as integers of its element size (numpy has no
-    bfloat16): copies through it keep the GIL (see ReadLog)."""
+    bfloat16): copies through it are numpy's, not torch calls (see ReadLog)."""
     return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]).numpy()
 
 

@@ -201,10 +201,15 @@ def run_once(llm, prompts, out_len) -> dict:
             "tokens": [tokens[k] for k in sorted(tokens)]}
 
 
+SLOWEST_STEPS = 6  # the decode window's slowest steps, recorded per run: P99 ITL is about its 3rd at 32 requests
+
+
 def latencies(times: dict, start: float) -> dict:
     """Mean and P99 ITL, mean TTFT, and the decode window's mean and P99 ITL (gaps that start once
     every request has its first token: no step of it holds a prefill chunk) from each request's
-    [(time, new tokens)], in ms."""
+    [(time, new tokens)], in ms; and the decode window's slowest steps, as [its index in the window
+    (0: the step after the last first token), ms] (every request of a step shares its gap: at 32
+    requests and 256 tokens P99 ITL is the window's 3rd slowest step, a handful of steps a run)."""
     ttft = [t[0][0] - start for t in times.values()]
     last_first_token = max(t[0][0] for t in times.values())
     gaps, decode_gaps = [], []
@@ -213,11 +218,16 @@ def latencies(times: dict, start: float) -> dict:
             gaps += [(b - a) / n] * n
             if a >= last_first_token:
                 decode_gaps += [(b - a) / n] * n
+    # the decode window's steps (the times any request got tokens): where its tail falls
+    steps = sorted({at for t in times.values() for at, _ in t if at >= last_first_token})
+    step_gaps = [(i, b - a) for i, (a, b) in enumerate(zip(steps, steps[1:]))]
+    slowest = sorted(step_gaps, key=lambda gap: -gap[1])[:SLOWEST_STEPS]
     # none in the decode window where the last request's first token is its last: NaN, not a run cut short
     return {"mean_itl_ms": 1e3 * statistics.fmean(gaps), "p99_itl_ms": 1e3 * p99(gaps),
             "decode_itl_ms": 1e3 * statistics.fmean(decode_gaps) if decode_gaps else float("nan"),
             "decode_p99_itl_ms": 1e3 * p99(decode_gaps) if decode_gaps else float("nan"),
-            "mean_ttft_ms": 1e3 * statistics.fmean(ttft)}
+            "mean_ttft_ms": 1e3 * statistics.fmean(ttft),
+            "slowest_decode_steps": [[i, 1e3 * gap] for i, gap in slowest], "decode_steps": len(step_gaps)}
 
 
 def p99(values: list[float]) -> float:

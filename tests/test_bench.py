@@ -60,6 +60,11 @@ def test_harness_runs_every_mode_and_the_modes_do_what_they_claim(tmp_path):
         # the thread's CPU time in the same calls: positive, and no more than their wall time
         assert all(0 < r["host_cpu_ms_per_step"] <= r["host_ms_per_step"] * 1.05 for r in decode["runs"][mode]), mode
         assert all(r["host_ms_per_decode_step"] > 0 for r in decode["runs"][mode]), mode  # decode steps seen
+        assert all(r["host_ms_max_decode_step"] >= r["host_ms_per_decode_step"] for r in decode["runs"][mode]), mode
+    for mode in serving.MODES:  # each run's slowest decode steps, slowest first, inside the window
+        for r in decode["runs"][mode]:
+            ms = [gap for _, gap in r["slowest_decode_steps"]]
+            assert ms == sorted(ms, reverse=True) and all(0 <= i < r["decode_steps"] for i, _ in r["slowest_decode_steps"])
     assert all(r["steps"] == 0 for r in decode["runs"]["armed_idle"])  # no resident op: nothing to prepare
     # the read logs' new chunks: the two reading apps' first ones come in the warm-up run; the toy's
     # reads then fit them (none in the timed runs), and no mode without a read makes any
@@ -112,6 +117,10 @@ def test_latencies_count_the_decode_window_from_the_last_first_token():
     # the P99 is the gap of rank int(0.99 (n - 1)) in order: the 4th of 5, the 2nd of 3
     assert got["p99_itl_ms"] == pytest.approx(1e3 * 0.5)
     assert got["decode_p99_itl_ms"] == pytest.approx(1e3 * 0.25)
+    # the window's steps: 2.5 -> 3.0 -> 3.1; the slowest first, by index in the window
+    assert got["decode_steps"] == 2
+    assert [i for i, _ in got["slowest_decode_steps"]] == [0, 1]
+    assert [ms for _, ms in got["slowest_decode_steps"]] == pytest.approx([500, 100])
     late = serving.latencies({"a": [(1.0, 1), (2.0, 1)], "b": [(2.0, 1)]}, start=0.0)  # b's first token is its last
     assert late["mean_itl_ms"] == pytest.approx(1e3) and late["decode_itl_ms"] != late["decode_itl_ms"]  # NaN
 

@@ -142,6 +142,7 @@ class HostTime:
     steps: int = 0
     decode_wall: float = 0.0
     decode_steps: int = 0
+    decode_max: float = 0.0  # the slowest decode step's (a step late in the host shows in P99 ITL)
 
     def add(self, wall: float, cpu: float, decode: bool) -> None:
         self.wall += wall
@@ -150,11 +151,13 @@ class HostTime:
         if decode:
             self.decode_wall += wall
             self.decode_steps += 1
+            self.decode_max = max(self.decode_max, wall)
 
     def ms_per_step(self) -> dict:
         return {"host_ms_per_step": 1e3 * self.wall / max(self.steps, 1),
                 "host_cpu_ms_per_step": 1e3 * self.cpu / max(self.steps, 1),
-                "host_ms_per_decode_step": 1e3 * self.decode_wall / max(self.decode_steps, 1)}
+                "host_ms_per_decode_step": 1e3 * self.decode_wall / max(self.decode_steps, 1),
+                "host_ms_max_decode_step": 1e3 * self.decode_max}
 
 
 @dataclass

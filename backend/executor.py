@@ -20,11 +20,13 @@ class Kernels(NamedTuple):
     gather_rows: object
     project_read: object
     run_program: object
+    rms_norm_rows: object
 
 
-TRITON = Kernels(kernels.affine_write, kernels.gather_rows, kernels.project_read, kernels.run_program)
+TRITON = Kernels(kernels.affine_write, kernels.gather_rows, kernels.project_read, kernels.run_program,
+                 kernels.rms_norm_rows)
 TORCH = Kernels(kernels.affine_write_torch, kernels.gather_rows_torch, kernels.project_read_torch,
-                kernels.run_program_torch)
+                kernels.run_program_torch, kernels.rms_norm_rows_torch)
 
 
 class Executor:
@@ -56,3 +58,8 @@ class Executor:
             k.project_read(x, rows, op.W, op.bias if shared else torch.zeros(width, device=x.device), out, dest)
             if op.bias is not None and not shared:  # a per-token bias, added where it is known
                 out[dest.long()] += op.bias.reshape(-1, width)[table_index.long()]
+
+    def renormalize(self, x: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, eps: float,
+                    out: torch.Tensor) -> None:
+        """out's rows (int32, -1 skipped) made again as the RMSNorm of x's (after a write changed x)."""
+        self.kernels.rms_norm_rows(x, rows, weight, eps, out)

@@ -101,15 +101,16 @@ def test_each_row_equals_its_apps_run_as_hooks(installed):
 
 
 def recorded_launches(control, monkeypatch):
-    """Record the control plane's launches at every site as (kernel, addresses of its tensors but x,
-    the site's activation, whose address a CUDA graph fixes itself)."""
+    """Record the control plane's launches at every site as (kernel, addresses of its tensors but the
+    activations, x and a renorm's `out`, whose addresses a CUDA graph fixes itself)."""
     from xmix_lens.backend.executor import Kernels
 
     launches = []
 
     def recording(name, fn):
         def launch(x, *args):
-            launches.append((name, tuple(a.data_ptr() for a in args if isinstance(a, torch.Tensor))))
+            fixed = args[:-1] if name == "rms_norm_rows" else args
+            launches.append((name, tuple(a.data_ptr() for a in fixed if isinstance(a, torch.Tensor))))
             return fn(x, *args)
         return launch
 

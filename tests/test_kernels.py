@@ -63,6 +63,21 @@ def test_project_read_twin_matches_a_loop(gen):
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
+def test_rms_norm_rows_twin_matches_a_loop(gen):
+    F, eps = 5, 1e-5
+    x, weight = randn(6, F, gen=gen), randn(F, gen=gen)
+    rows = torch.tensor([4, -1, 1], dtype=torch.int32)
+    out = torch.full((6, F), SENTINEL)
+    expected = out.clone()
+    for r in (4, 1):
+        rms = (sum(float(x[r, f]) ** 2 for f in range(F)) / F + eps) ** 0.5
+        for f in range(F):
+            expected[r, f] = float(x[r, f]) / rms * float(weight[f])
+
+    kernels.rms_norm_rows_torch(x, rows, weight, eps, out)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
 # --- the Triton launchers against the twins ---------------------------------------------------
 # T, R and F are not multiples of the kernels' blocks (16 or 32 rows, 128 features).
 
@@ -182,3 +197,24 @@ def test_gated_rows_are_skipped_by_every_template(impl, gen):
         reference = torch.full((capacity, width), SENTINEL)
         getattr(kernels, launch + "_torch")(x, live, *args, reference, live)
         assert_matches(out, reference)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("F", [129, 2500])  # 2500: a row wider than the kernel's tile, in two
+def test_rms_norm_rows(dtype, F, gen):
+    T, eps = 40, 1e-6
+    x, weight = randn(T, F, gen=gen, dtype=dtype), randn(F, gen=gen, dtype=dtype)
+    rows = torch.full((T,), -1, dtype=torch.int32)  # control rows: the token's index where on, else -1
+    on = random_subset(T, 17, gen).long()
+    rows[on] = on.int()
+    poisoned = torch.full((T, F), SENTINEL, dtype=dtype)
+
+    expected, actual = poisoned.clone(), poisoned.clone()
+    kernels.rms_norm_rows_torch(x, rows, weight, eps, expected)
+    kernels.rms_norm_rows(x, rows, weight, eps, actual)
+
+    off = rows < 0
+    assert torch.equal(actual[off], poisoned[off])
+    # rounded to the weight's dtype, then the product: the first rounding's ulp, times a weight
+    # up to the next power of 2, is up to two of the output's
+    assert_matches(actual[on], expected[on], roundings=3)

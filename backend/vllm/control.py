@@ -831,6 +831,16 @@ class ControlPlane:
                 else:
                     self.executor.run(entry.op, x_op, rows, tables, out=entry.step_values, dest=self._tokens[:T])
 
+    def renormalize_written(self, out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                            site_ids) -> None:
+        """`out`, the RMSNorm of x computed before the sites `site_ids` ran on x, made again on the
+        tokens of their resident writes (sites.py): one launch per write, the same every step."""
+        T = x.shape[0]
+        for site_id in site_ids:
+            for entry in self.by_site.get(site_id, ()):
+                if entry.step_values is None:  # a write
+                    self.executor.renormalize(x, self.control[entry.index, ROWS, :T], weight, eps, out)
+
     # --- the messenger ----------------------------------------------------------------------------
     def _queue_home(self) -> None:
         """Queue the copy of the prepared step's reads into the read logs (its forward is on the

@@ -447,6 +447,21 @@ class SiteRuntime:
     def run_site(self, x: torch.Tensor, site_id: int) -> None:
         # installed apps first (in install order), then the hooks of the passes in flight
         self.control.launch(x, site_id)
+        for p, phase, op, chosen in self._chosen_pass_ops(site_id):
+            self._run_op(x, site_id, p, phase, op, chosen)
+
+    def renormalize_written(self, out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                            site_ids: list[int]) -> None:
+        """`out` (x's RMSNorm, computed fused before the sites ran on x: sites.py) made again on the
+        tokens that a write at one of the sites changed, installed apps' and passes'."""
+        self.control.renormalize_written(out, x, weight, eps, site_ids)
+        for site_id in site_ids:
+            for _, _, op, chosen in self._chosen_pass_ops(site_id):
+                if is_write(op):
+                    self.executor.renormalize(x, chosen.rows, weight, eps, out)
+
+    def _chosen_pass_ops(self, site_id: int):
+        """(pass, phase, op, its tokens) of the passes' ops at the site that run on tokens of this step."""
         if self.step is None:
             return
         for p in self.passes.values():
@@ -454,7 +469,7 @@ class SiteRuntime:
                 for i, op in enumerate(phase.ops.get(site_id, ())):
                     chosen = self.step.ops.get((p.pass_id, decode, site_id, i))
                     if chosen is not None:
-                        self._run_op(x, site_id, p, phase, op, chosen)
+                        yield p, phase, op, chosen
 
     def _selected(self, p: Pass, decode: bool, phase: Phase, positions: torch.Tensor | None) -> np.ndarray:
         """The step's token indices [n] int64 that the op runs on."""

@@ -1,7 +1,10 @@
 """The custom ops every hook site calls: `torch.ops.xmix.site(x, site_id)` and, for a hook point
-that is a column slice of a layer's output, `torch.ops.xmix.site_cols(x, site_id, start, end)`.
+that is a column slice of a layer's output, `torch.ops.xmix.site_cols(x, site_id, start, end)`;
+and after residual sites that follow vLLM's fused add + RMSNorm,
+`torch.ops.xmix.renormalize_written(out, x, weight, eps, site_ids)`: the norm's output made again
+where a write at those sites changed x (sites.py).
 
-Both are declared as mutating `x`, with a fake impl, so torch.compile keeps them in the graph as
+All are declared as mutating their first argument, with a fake impl, so torch.compile keeps them in the graph as
 opaque calls (and CUDA-graph capture records the kernels they launch) instead of tracing into them.
 Their body hands `x` (or its columns [start, end)) to the site runtime of the engine whose forward
 is running, which applies the programs armed at that site this step. That runtime is found in
@@ -40,4 +43,18 @@ def site_cols(x: torch.Tensor, site_id: int, start: int, end: int) -> None:
 
 @site_cols.register_fake
 def _site_cols_fake(x: torch.Tensor, site_id: int, start: int, end: int) -> None:
+    return None
+
+
+@torch.library.custom_op("xmix::renormalize_written", mutates_args=("out",))
+def renormalize_written(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                        site_ids: list[int]) -> None:
+    runtime = running_site_runtime()
+    if runtime is not None:
+        runtime.renormalize_written(out, x, weight, eps, site_ids)
+
+
+@renormalize_written.register_fake
+def _renormalize_written_fake(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                              site_ids: list[int]) -> None:
     return None

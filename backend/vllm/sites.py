@@ -31,7 +31,15 @@ Each family is a table: (submodule path, placement, hook names). Placements:
                   without a residual (Llama's first layer), the sum is `x` itself. Where none of
                   the norm's sites writes in a step run uncompiled (reads only: a cache, a
                   probe), vLLM's norm runs as it does without sites, fused and rounded alike, and
-                  the sites read around it.
+                  the sites read around it. Where the norm has residual ("sum") sites only, and is
+                  vLLM's RMSNorm, its fused add + norm runs first, as it does without sites, the
+                  sum sites then run on the sum it returns, and the rows a write there changed
+                  are normalised again (`torch.ops.xmix.renormalize_written`, one launch per
+                  write op, gated by its rows). So a residual write site leaves the fused op and
+                  Inductor's fusions around it as they are: materialising the sum for the site
+                  made Inductor fold the down projection and the add into one addmm and run the
+                  norm unfused, a slower decode step with nothing written (docs/benchmarks.md,
+                  session 16), and outputs that differed from native's.
   "attention"     sites on the query and key that vLLM's attention layer receives, after the
                   rotary embedding (TransformerLens's hook_rot_q / hook_rot_k): on contiguous
                   copies, as q and k may be views of one qkv tensor (see site_op.py).
@@ -224,10 +232,18 @@ def _read_scale_and_normalized(norm: nn.Module, resid: torch.Tensor, scale_ids: 
     return _weighted(norm, normalized)
 
 
+def _renormalizable(norm: nn.Module) -> bool:
+    """Whether rows of the norm's output can be made again by the renorm template: vLLM's RMSNorm
+    with a weight, over the whole row."""
+    return (type(norm).__name__ == "RMSNorm" and isinstance(getattr(norm, "weight", None), nn.Parameter)
+            and getattr(norm, "variance_size_override", None) is None)
+
+
 def _wrap_norm(norm: nn.Module, sum_ids: SiteIds, scale_ids: SiteIds, normalized_ids: SiteIds,
                weighted_ids: SiteIds) -> None:
     inner = norm.forward
     active = sum_ids.active
+    renormalizable = _renormalizable(norm)
 
     def forward(x, residual=None):
         now = sums, scales, normalizeds, weighteds = [ids.now() for ids in (sum_ids, scale_ids, normalized_ids,
@@ -235,6 +251,14 @@ def _wrap_norm(norm: nn.Module, sum_ids: SiteIds, scale_ids: SiteIds, normalized
         if not any(now):
             # the norm as vLLM runs it (Llama's: fused with the residual add)
             return inner(x) if residual is None else inner(x, residual)
+        if residual is not None and renormalizable and not (scales or normalizeds):
+            # residual sites after vLLM's fused add + norm; rows they wrote normalised again
+            out, resid = inner(x, residual)
+            _run_sites(resid, sums)
+            if sums:
+                torch.ops.xmix.renormalize_written(out, resid, norm.weight, norm.variance_epsilon, list(sums))
+            _run_sites(out, weighteds)
+            return out, resid
         # Reads only, in a step run uncompiled: vLLM's norm as it runs without sites (fused, and
         # rounded as fused: a read changes no output), read around it. Never in the compiled model:
         # there a site is a functionalized op, kept only where its output is used (a read of the

@@ -30,6 +30,7 @@ calls (those inside prepare_step apart); and each installed op's kernel at each 
 batch against its floor (bench/kernels.py).
 """
 import argparse
+import gc
 import os
 import platform
 import statistics
@@ -174,30 +175,61 @@ def _add_eager_steering_hook(llm, layer: int, v: torch.Tensor) -> None:
     model.model.layers[layer].register_forward_hook(add)
 
 
+class GCPauses:
+    """The garbage collector's collections during a run (`gc.callbacks`), as [when it ended (ms after
+    `start`), generation, ms] for those of at least MIN_MS: a collection stops the engine's steps
+    in this process, so one in a step's gap shows in the slowest steps (`latencies`)."""
+
+    MIN_MS = 1.0
+
+    def __init__(self, start: float):
+        self.start, self.began, self.pauses, self.collections = start, 0.0, [], [0, 0, 0]
+
+    def __enter__(self):
+        gc.callbacks.append(self._observe)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self._observe)
+
+    def _observe(self, phase: str, info: dict) -> None:
+        now = time.perf_counter()
+        if phase == "start":
+            self.began = now
+            return
+        self.collections[info["generation"]] += 1
+        if 1e3 * (now - self.began) >= self.MIN_MS:
+            self.pauses.append([1e3 * (now - self.start), info["generation"], 1e3 * (now - self.began)])
+
+    def fields(self) -> dict:
+        return {"gc_collections": self.collections, "gc_pauses": self.pauses}
+
+
 def run_once(llm, prompts, out_len) -> dict:
-    """Submit every request at once and step the engine; time each request's tokens."""
+    """Submit every request at once and step the engine; time each request's tokens (and the
+    garbage collector's pauses: GCPauses)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     engine = llm.llm_engine
     params = SamplingParams(max_tokens=out_len, ignore_eos=True, temperature=0.0, detokenize=False)
     start = time.perf_counter()
-    ids = []
-    for i, p in enumerate(prompts):
-        ids.append(engine.add_request(f"bench-{time.monotonic_ns()}-{i}", TokensPrompt(prompt_token_ids=p), params))
     seen, times, tokens = {}, {}, {}
-    while engine.has_unfinished_requests():
-        outputs = engine.step()
-        now = time.perf_counter()
-        for out in outputs:
-            n = len(out.outputs[0].token_ids)
-            if n > seen.get(out.request_id, 0):
-                times.setdefault(out.request_id, []).append((now, n - seen.get(out.request_id, 0)))
-                seen[out.request_id] = n
-                tokens[out.request_id] = list(out.outputs[0].token_ids)
+    with GCPauses(start) as collector:
+        for i, p in enumerate(prompts):
+            engine.add_request(f"bench-{time.monotonic_ns()}-{i}", TokensPrompt(prompt_token_ids=p), params)
+        while engine.has_unfinished_requests():
+            outputs = engine.step()
+            now = time.perf_counter()
+            for out in outputs:
+                n = len(out.outputs[0].token_ids)
+                if n > seen.get(out.request_id, 0):
+                    times.setdefault(out.request_id, []).append((now, n - seen.get(out.request_id, 0)))
+                    seen[out.request_id] = n
+                    tokens[out.request_id] = list(out.outputs[0].token_ids)
     wall = time.perf_counter() - start
     total = sum(len(p) for p in prompts) + sum(seen.values())
-    return {**latencies(times, start), "throughput_tok_s": total / wall, "wall_s": wall,
+    return {**latencies(times, start), **collector.fields(), "throughput_tok_s": total / wall, "wall_s": wall,
             "tokens": [tokens[k] for k in sorted(tokens)]}
 
 
@@ -208,8 +240,9 @@ def latencies(times: dict, start: float) -> dict:
     """Mean and P99 ITL, mean TTFT, and the decode window's mean and P99 ITL (gaps that start once
     every request has its first token: no step of it holds a prefill chunk) from each request's
     [(time, new tokens)], in ms; and the decode window's slowest steps, as [its index in the window
-    (0: the step after the last first token), ms] (every request of a step shares its gap: at 32
-    requests and 256 tokens P99 ITL is the window's 3rd slowest step, a handful of steps a run)."""
+    (0: the step after the last first token), ms, when it ended (ms after `start`)] (every request
+    of a step shares its gap: at 32 requests and 256 tokens P99 ITL is the window's 3rd slowest
+    step, at 256 requests and 128 tokens its 2nd: a handful of steps a run)."""
     ttft = [t[0][0] - start for t in times.values()]
     last_first_token = max(t[0][0] for t in times.values())
     gaps, decode_gaps = [], []
@@ -220,14 +253,15 @@ def latencies(times: dict, start: float) -> dict:
                 decode_gaps += [(b - a) / n] * n
     # the decode window's steps (the times any request got tokens): where its tail falls
     steps = sorted({at for t in times.values() for at, _ in t if at >= last_first_token})
-    step_gaps = [(i, b - a) for i, (a, b) in enumerate(zip(steps, steps[1:]))]
+    step_gaps = [(i, b - a, b) for i, (a, b) in enumerate(zip(steps, steps[1:]))]
     slowest = sorted(step_gaps, key=lambda gap: -gap[1])[:SLOWEST_STEPS]
     # none in the decode window where the last request's first token is its last: NaN, not a run cut short
     return {"mean_itl_ms": 1e3 * statistics.fmean(gaps), "p99_itl_ms": 1e3 * p99(gaps),
             "decode_itl_ms": 1e3 * statistics.fmean(decode_gaps) if decode_gaps else float("nan"),
             "decode_p99_itl_ms": 1e3 * p99(decode_gaps) if decode_gaps else float("nan"),
             "mean_ttft_ms": 1e3 * statistics.fmean(ttft),
-            "slowest_decode_steps": [[i, 1e3 * gap] for i, gap in slowest], "decode_steps": len(step_gaps)}
+            "slowest_decode_steps": [[i, 1e3 * gap, 1e3 * (end - start)] for i, gap, end in slowest],
+            "decode_steps": len(step_gaps)}
 
 
 def p99(values: list[float]) -> float:

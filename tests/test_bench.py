@@ -4,6 +4,7 @@ same harness on the lent H200: bench/results/, docs/benchmarks.md).
 Speed is not asserted here (CPU timings of a toy say nothing); what the numbers stand on is: every
 mode ran, the idle modes serve what native vLLM serves, and the steering mode steers exactly as the
 eager torch-hook approach does."""
+import gc
 import json
 
 import pytest
@@ -63,8 +64,11 @@ def test_harness_runs_every_mode_and_the_modes_do_what_they_claim(tmp_path):
         assert all(r["host_ms_max_decode_step"] >= r["host_ms_per_decode_step"] for r in decode["runs"][mode]), mode
     for mode in serving.MODES:  # each run's slowest decode steps, slowest first, inside the window
         for r in decode["runs"][mode]:
-            ms = [gap for _, gap in r["slowest_decode_steps"]]
-            assert ms == sorted(ms, reverse=True) and all(0 <= i < r["decode_steps"] for i, _ in r["slowest_decode_steps"])
+            ms = [gap for _, gap, _ in r["slowest_decode_steps"]]
+            assert ms == sorted(ms, reverse=True) and all(0 <= i < r["decode_steps"] for i, _, _ in r["slowest_decode_steps"])
+            assert all(0 < end <= 1e3 * r["wall_s"] for _, _, end in r["slowest_decode_steps"])
+            assert len(r["gc_collections"]) == 3
+            assert all(0 < at <= 1e3 * r["wall_s"] and gen in (0, 1, 2) and ms >= 1.0 for at, gen, ms in r["gc_pauses"])
     assert all(r["steps"] == 0 for r in decode["runs"]["armed_idle"])  # no resident op: nothing to prepare
     # the read logs' new chunks: the two reading apps' first ones come in the warm-up run; the toy's
     # reads then fit them (none in the timed runs), and no mode without a read makes any
@@ -119,10 +123,27 @@ def test_latencies_count_the_decode_window_from_the_last_first_token():
     assert got["decode_p99_itl_ms"] == pytest.approx(1e3 * 0.25)
     # the window's steps: 2.5 -> 3.0 -> 3.1; the slowest first, by index in the window
     assert got["decode_steps"] == 2
-    assert [i for i, _ in got["slowest_decode_steps"]] == [0, 1]
-    assert [ms for _, ms in got["slowest_decode_steps"]] == pytest.approx([500, 100])
+    assert [i for i, _, _ in got["slowest_decode_steps"]] == [0, 1]
+    assert [ms for _, ms, _ in got["slowest_decode_steps"]] == pytest.approx([500, 100])
+    assert [end for _, _, end in got["slowest_decode_steps"]] == pytest.approx([2500, 2600])  # ms after start
     late = serving.latencies({"a": [(1.0, 1), (2.0, 1)], "b": [(2.0, 1)]}, start=0.0)  # b's first token is its last
     assert late["mean_itl_ms"] == pytest.approx(1e3) and late["decode_itl_ms"] != late["decode_itl_ms"]  # NaN
+
+
+def test_the_collector_records_each_collection_and_its_pause(monkeypatch):
+    import time
+
+    monkeypatch.setattr(serving.GCPauses, "MIN_MS", 0.0)
+    start = time.perf_counter()
+    with serving.GCPauses(start) as collector:
+        gc.collect()  # the oldest generation
+        gc.collect(0)
+    after = 1e3 * (time.perf_counter() - start)
+    assert collector.collections[2] >= 1 and collector.collections[0] >= 1
+    assert [gen for _, gen, _ in collector.pauses][-2:] == [2, 0]
+    assert all(0 < at <= after and 0 <= ms <= at for at, _, ms in collector.pauses)
+    gc.collect()  # outside the context: not observed
+    assert collector.collections[2] == sum(gen == 2 for _, gen, _ in collector.pauses)
 
 
 def test_the_profile_counts_every_kernel_of_xmix_lens():

@@ -61,7 +61,9 @@ def test_harness_runs_every_mode_and_the_modes_do_what_they_claim(tmp_path):
         # the thread's CPU time in the same calls: positive, and no more than their wall time
         assert all(0 < r["host_cpu_ms_per_step"] <= r["host_ms_per_step"] * 1.05 for r in decode["runs"][mode]), mode
         assert all(r["host_ms_per_decode_step"] > 0 for r in decode["runs"][mode]), mode  # decode steps seen
-        assert all(r["host_ms_max_decode_step"] >= r["host_ms_per_decode_step"] for r in decode["runs"][mode]), mode
+        assert all(r["host_ms_max_decode_step"] >= r["host_ms_per_decode_step"] >= r["host_ms_home_per_decode_step"]
+                   for r in decode["runs"][mode]), mode
+        assert (mode != "seven") or all(r["host_ms_home_per_decode_step"] > 0 for r in decode["runs"][mode])  # reads
     for mode in serving.MODES:  # each run's slowest decode steps, slowest first, inside the window
         for r in decode["runs"][mode]:
             ms = [gap for _, gap, _ in r["slowest_decode_steps"]]

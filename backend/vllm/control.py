@@ -133,9 +133,10 @@ class _Step:
 class HostTime:
     """The control plane's host time in prepare_step (bench fields): wall time and this thread's CPU
     time (their difference is time waited: for the GIL held by another thread, for the device, for
-    the OS); and the wall time of decode steps alone (a token a request: most of a generation's
-    steps, those whose host time a host-bound engine shows in its ITL; prefill steps' is prepared
-    beside forwards tens to hundreds of times longer)."""
+    the OS). And for decode steps alone (a token a request: most of a generation's steps, those
+    whose host time a host-bound engine shows in its ITL; a prefill step's is prepared beside a
+    forward tens to hundreds of times longer): their wall time, their slowest, and the part spent
+    queueing the step before's reads home (the copies' CUDA calls, the moves on the host)."""
 
     wall: float = 0.0
     cpu: float = 0.0
@@ -143,8 +144,9 @@ class HostTime:
     decode_wall: float = 0.0
     decode_steps: int = 0
     decode_max: float = 0.0  # the slowest decode step's (a step late in the host shows in P99 ITL)
+    decode_home: float = 0.0  # of decode steps' wall time, queueing the step before's reads home
 
-    def add(self, wall: float, cpu: float, decode: bool) -> None:
+    def add(self, wall: float, cpu: float, decode: bool, home: float = 0.0) -> None:
         self.wall += wall
         self.cpu += cpu
         self.steps += 1
@@ -152,12 +154,15 @@ class HostTime:
             self.decode_wall += wall
             self.decode_steps += 1
             self.decode_max = max(self.decode_max, wall)
+            self.decode_home += home
 
     def ms_per_step(self) -> dict:
+        decode_steps = max(self.decode_steps, 1)
         return {"host_ms_per_step": 1e3 * self.wall / max(self.steps, 1),
                 "host_cpu_ms_per_step": 1e3 * self.cpu / max(self.steps, 1),
-                "host_ms_per_decode_step": 1e3 * self.decode_wall / max(self.decode_steps, 1),
-                "host_ms_max_decode_step": 1e3 * self.decode_max}
+                "host_ms_per_decode_step": 1e3 * self.decode_wall / decode_steps,
+                "host_ms_max_decode_step": 1e3 * self.decode_max,
+                "host_ms_home_per_decode_step": 1e3 * self.decode_home / decode_steps}
 
 
 @dataclass
@@ -690,12 +695,13 @@ class ControlPlane:
         if not self.ops:
             return
         started, cpu_started = time.perf_counter(), time.thread_time()
+        self._queue_home()
+        queued = time.perf_counter()
         self._prepare(req_ids, query_start, n_tokens, first_positions, n_padded)
         self.host_time.add(time.perf_counter() - started, time.thread_time() - cpu_started,
-                           decode=n_tokens == len(req_ids))
+                           decode=n_tokens == len(req_ids), home=queued - started)
 
     def _prepare(self, req_ids, query_start, n_tokens, first_positions, n_padded) -> None:
-        self._queue_home()
         n = len(req_ids)
         query_start = np.asarray(query_start[: n + 1])
         layout = self._layout or self._make_layout()

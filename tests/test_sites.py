@@ -51,3 +51,35 @@ def test_a_residual_write_leaves_vllms_fused_norm_and_renormalizes_the_rows_it_w
     expected = ((s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5)).bfloat16() * norm.weight).bfloat16()
     assert torch.equal(out[written], expected)
     assert not torch.equal(out[written], native_out[written])
+
+
+def test_a_residual_read_in_a_step_run_uncompiled_makes_no_renormalize_call(monkeypatch):
+    """A step run uncompiled knows its sites only read (`ActiveSites.written`): the norm's output is
+    vLLM's fused one, and the renormalize op is not called at all (one call less per norm a step)."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.layernorm import RMSNorm
+
+    T, F, SITE = 8, 32, 3
+    g = torch.Generator().manual_seed(1)
+    calls = []
+
+    class OneRead:
+        def run_site(self, x, site_id):
+            calls.append(("site", site_id, x.clone()))
+
+        def renormalize_written(self, *args):
+            calls.append(("renormalize",))
+
+    monkeypatch.setattr(site_op, "running_site_runtime", OneRead)
+    with set_current_vllm_config(VllmConfig()):
+        norm = RMSNorm(F, eps=1e-5).to(torch.bfloat16)
+        x, residual = (torch.randn(T, F, generator=g).bfloat16() for _ in range(2))
+        native_out, native_sum = norm(x.clone(), residual.clone())
+        active = sites.ActiveSites()
+        active.ids = frozenset({SITE})  # on in the step, written by nobody
+        none = sites.SiteIds((), (), active)
+        sites._wrap_norm(norm, sites.SiteIds((SITE,), (SITE,), active), none, none, none)
+        out, resid = norm(x.clone(), residual.clone())
+
+    assert [c[0] for c in calls] == ["site"] and torch.equal(calls[0][2], native_sum)  # the site read the sum
+    assert torch.equal(out, native_out) and torch.equal(resid, native_sum)

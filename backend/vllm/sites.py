@@ -255,7 +255,9 @@ def _wrap_norm(norm: nn.Module, sum_ids: SiteIds, scale_ids: SiteIds, normalized
             # residual sites after vLLM's fused add + norm; rows they wrote normalised again
             out, resid = inner(x, residual)
             _run_sites(resid, sums)
-            if sums:
+            # compiled: whether a site writes is chosen per step (the launches are gated); a step run
+            # uncompiled knows, and a step whose sums are only read skips the call
+            if sums and (torch.compiler.is_compiling() or active.any_written((sums,))):
                 torch.ops.xmix.renormalize_written(out, resid, norm.weight, norm.variance_epsilon, list(sums))
             _run_sites(out, weighteds)
             return out, resid

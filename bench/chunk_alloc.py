@@ -1,6 +1,6 @@
 """What a new pinned host chunk (CHUNK_BYTES, a read log's chunk until session 15) costs a step:
 made inline, on the step's thread, or ahead on a helper thread. The measurement behind
-`control.ReadLog`'s plain-memory chunks and pinned landing slots (docs/benchmarks.md, session 15).
+`messenger.ReadLog`'s plain-memory chunks and `ReadArea`'s pinned landing slots (docs/benchmarks.md, session 15).
 
     python -m bench.chunk_alloc --device cuda --out results.json
     python -m bench.chunk_alloc --toy                              # the CPU run the tests make
@@ -23,7 +23,7 @@ import torch
 
 from bench import write_result
 from bench.serving import p99
-from xmix_lens.backend.vllm.control import CHUNK_BYTES
+from xmix_lens.backend.vllm.messenger import CHUNK_BYTES
 
 
 def make_step(device: torch.device, tokens: int, width: int, layers: int):

@@ -19,7 +19,8 @@ ControlPlane.prepare_step; its CPU time, and the wall time per decode step alone
 the new host chunks its read logs made (`read_chunks_made`);
 and the mean and P99 ITL of the decode window (`decode_itl_ms`, `decode_p99_itl_ms`: gaps that start
 once every request has its first token, so that no step holds a prefill chunk, whose interleaving
-makes the whole run's ITL vary). Per engine: the tokens its KV cache holds and whether vLLM
+makes the whole run's ITL vary); the collector's pauses and what it tracked before the run, whose
+heap is frozen first as vLLM's own serving benchmark freezes it (`freeze_heap`). Per engine: the tokens its KV cache holds and whether vLLM
 schedules asynchronously (prepares a step while the GPU runs the one before, hiding host work).
 With --profile, decode steps, the prefill step (what TTFT is made of) and a mixed step (a prefill
 among decodes: where P99 ITL falls) of each workload are
@@ -205,14 +206,29 @@ class GCPauses:
         return {"gc_collections": self.collections, "gc_pauses": self.pauses}
 
 
+def freeze_heap() -> int:
+    """The objects the collector tracks outside the frozen heap (what a collection of the oldest
+    generation walks: the earlier runs' results, what the engines made since they froze theirs),
+    then all of it frozen, as vLLM's own serving benchmark does before it runs (`freeze_gc_heap`,
+    vllm/benchmarks/serve.py): a run's collections then walk what that run makes, in every mode
+    alike. Before, every run's slowest decode step at 256 and 512 requests held a collection of the
+    oldest generation of 5-81 ms, native's too (docs/benchmarks.md, session 18)."""
+    from vllm.utils.gc_utils import freeze_gc_heap
+
+    tracked = len(gc.get_objects())
+    freeze_gc_heap()
+    return tracked
+
+
 def run_once(llm, prompts, out_len) -> dict:
     """Submit every request at once and step the engine; time each request's tokens (and the
-    garbage collector's pauses: GCPauses)."""
+    garbage collector's pauses: GCPauses), the heap frozen first (`freeze_heap`)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     engine = llm.llm_engine
     params = SamplingParams(max_tokens=out_len, ignore_eos=True, temperature=0.0, detokenize=False)
+    tracked = freeze_heap()
     start = time.perf_counter()
     seen, times, tokens = {}, {}, {}
     with GCPauses(start) as collector:
@@ -229,7 +245,8 @@ def run_once(llm, prompts, out_len) -> dict:
                     tokens[out.request_id] = list(out.outputs[0].token_ids)
     wall = time.perf_counter() - start
     total = sum(len(p) for p in prompts) + sum(seen.values())
-    return {**latencies(times, start), **collector.fields(), "throughput_tok_s": total / wall, "wall_s": wall,
+    return {**latencies(times, start), **collector.fields(), "gc_tracked_before_run": tracked,
+            "throughput_tok_s": total / wall, "wall_s": wall,
             "tokens": [tokens[k] for k in sorted(tokens)]}
 
 

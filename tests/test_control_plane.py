@@ -302,7 +302,7 @@ def test_per_token_apps_become_resident_and_equal_traced_hooks(served):
 
 
 def test_reads_leave_no_python_objects_behind_as_steps_run(installed):
-    """Every step's reads go into one host buffer per read op (control.ReadLog), not into objects
+    """Every step's reads go into one host buffer per read op (messenger.ReadLog), not into objects
     per request and step: what the garbage collector tracks stays flat while 8 reading requests
     generate, and each request's reads still come back whole."""
     model, apps, _ = installed
@@ -337,10 +337,10 @@ def test_read_log_returns_each_requests_latest_values_across_chunks_and_recycles
     and chunks reused once nothing alive is left in them."""
     import numpy as np
 
-    from xmix_lens.backend.vllm.control import HomeCopies, ReadLog
+    from xmix_lens.backend.vllm.messenger import ReadLog, _as_numpy
 
     alive = {0, 1, 2, 3}
-    log = ReadLog(3, torch.float32, HomeCopies(pin=False), alive=lambda: np.array(sorted(alive), dtype=np.int64),
+    log = ReadLog(3, torch.float32, alive=lambda: np.array(sorted(alive), dtype=np.int64),
                   chunk_rows=8)  # small chunks: steps cross them
     gen = torch.Generator().manual_seed(0)
     expected = {}
@@ -349,7 +349,7 @@ def test_read_log_returns_each_requests_latest_values_across_chunks_and_recycles
         owner[0] = 3 if step == 0 else owner[0]
         positions = torch.randint(0, 6, (5,), generator=gen).numpy()  # repeats: recomputed positions
         values = torch.randn(5, 3, generator=gen)
-        log.append(values, positions, owner)
+        log.append(_as_numpy(values), positions, owner)
         for o, p, v in zip(owner.tolist(), positions.tolist(), values):
             if o >= 0:
                 expected.setdefault(o, {})[p] = v  # the latest value wins
@@ -363,21 +363,22 @@ def test_read_log_returns_each_requests_latest_values_across_chunks_and_recycles
     alive -= {0, 1, 2}  # 2 forgotten without taking; 3 still alive
     chunks = len(log.chunks)
     for _ in range(4):  # chunks holding nothing of request 3 are reused before any is made
-        log.append(torch.zeros(8, 3), torch.zeros(8, dtype=torch.long), np.full(8, -1))
+        log.append(_as_numpy(torch.zeros(8, 3)), np.zeros(8, dtype=np.int64), np.full(8, -1))
     recycled = chunks + 4 - len(log.chunks)
     holding_3 = sum(bool((c.owner[:c.used] == 3).any()) for c in log.chunks)
     assert recycled >= 1 and holding_3 >= 1
-    positions, values = log.take([3])[3]  # its values moved out of the landing slots before the chunks were reused
+    positions, values = log.take([3])[3]  # its rows kept while chunks were reused
     assert positions.tolist() == sorted(expected[3])
     assert torch.equal(values, torch.stack([expected[3][p] for p in sorted(expected[3])]))
 
 
 def test_home_copies_wait_for_each_mark_once_and_never_record_over_one_not_done(monkeypatch):
-    """The read logs' copies home share one event a step (control.HomeCopies): a slot's move waits
-    for the mark after its copy (marking the step first if its copies are not marked yet), a mark
-    known done is not waited for again, and an event is recorded again only once the mark it
+    """The areas' copies home share one event a step (messenger.HomeCopies): a slot's move waits
+    for a mark after its copy (marking the step first if its copies are not marked yet), for the
+    newest mark LAG old where that is later (one synchronize for the next steps' moves too), a
+    mark known done is not waited for again, and an event is recorded again only once the mark it
     stood for is known done. Events here log what the device would be asked."""
-    from xmix_lens.backend.vllm import control
+    from xmix_lens.backend.vllm import messenger
 
     calls = []
 
@@ -392,51 +393,100 @@ def test_home_copies_wait_for_each_mark_once_and_never_record_over_one_not_done(
         def synchronize(self):
             calls.append(("synchronize", self.index))
 
-    monkeypatch.setattr(control.torch.cuda, "Event", Event)
-    monkeypatch.setattr(control.HomeCopies, "EVENTS", 3)
-    copies = control.HomeCopies(pin=True)
+    monkeypatch.setattr(messenger.torch.cuda, "Event", Event)
+    monkeypatch.setattr(messenger.HomeCopies, "EVENTS", 4)
+    monkeypatch.setattr(messenger.HomeCopies, "LAG", 1)
+    copies = messenger.HomeCopies(pin=True)
     del calls[:]
     copies.mark(), copies.mark()  # marks 0 and 1 (events 0, 1)
-    copies.wait(0)
+    copies.wait(0)  # mark 0 is the newest one LAG old
     copies.wait(0)  # known done: no call
     assert calls == [("record", 0), ("record", 1), ("synchronize", 0)]
     del calls[:]
     copies.wait(2)  # copies queued since mark 1: marked now, then waited for
     assert calls == [("record", 2), ("synchronize", 2)] and copies.done == 3 and copies.marks == 3
     del calls[:]
-    copies.mark(), copies.mark(), copies.mark()  # marks 3-5 record over events of marks 0-2: all known done
-    assert calls == [("record", 0), ("record", 1), ("record", 2)]
+    copies.mark(), copies.mark(), copies.mark()  # marks 3-5: over events of marks -1 (none), 0 and 1, done
+    assert calls == [("record", 3), ("record", 0), ("record", 1)]
     del calls[:]
-    copies.mark()  # mark 6 over mark 3's event, never waited for: waited for first
-    assert calls == [("synchronize", 0), ("record", 0)] and copies.done == 4
+    copies.wait(3)  # mark 4 is the newest LAG old: waited for, which covers 3 too
+    copies.wait(4)
+    assert calls == [("synchronize", 0)] and copies.done == 5
+    del calls[:]
+    copies.mark(), copies.mark()  # mark 7 over mark 3's event: known done; mark 6 over mark 2's
+    copies.mark()  # mark 8 over mark 4's event, known done (5): no wait
+    assert calls == [("record", 2), ("record", 3), ("record", 0)]
+    del calls[:]
+    copies.mark()  # mark 9 over mark 5's event, never waited for: waited for first
+    assert calls == [("synchronize", 1), ("record", 1)] and copies.done == 6
 
 
 def test_a_read_logs_new_chunks_are_made_ahead_on_a_helper_thread(monkeypatch):
     """A log makes its next chunk on a helper thread while the steps run, never on the thread that
-    appends a step's values; its landing slots are made with it; it counts the chunks it made."""
+    appends a step's values; it counts the chunks it made."""
     import threading
 
-    import numpy as np
-
-    from xmix_lens.backend.vllm import control
+    from xmix_lens.backend.vllm import messenger
 
     made = []
 
     def host_empty(shape, dtype, pin):
-        made.append((threading.current_thread().name, len(shape)))
+        made.append(threading.current_thread().name)
         return torch.empty(shape, dtype=dtype)
 
-    monkeypatch.setattr(control, "_host_empty", host_empty)
-    log = control.ReadLog(2, torch.float32, control.HomeCopies(pin=False), alive=lambda: np.arange(1), chunk_rows=4)
-    assert ("MainThread", 3) in made  # the landing slots, [slots, rows, width]
+    monkeypatch.setattr(messenger, "_host_empty", host_empty)
+    log = messenger.ReadLog(2, torch.float32, alive=lambda: np.arange(1), chunk_rows=4)
     for step in range(5):  # request 0 stays alive: no chunk is recycled, each step needs a new one
-        log.append(torch.full((4, 2), float(step)), np.arange(4), np.zeros(4, dtype=np.int64))
+        log.append(messenger._as_numpy(torch.full((4, 2), float(step))), np.arange(4), np.zeros(4, dtype=np.int64))
     assert log.chunks_made == len(log.chunks) == 5
     log._spare.result()
-    chunks = [thread for thread, dims in made if dims == 2]
-    assert len(chunks) == 6 and all(name.startswith("xmix-read-log") for name in chunks)  # and the spare
+    assert len(made) == 6 and all(name.startswith("xmix-read-log") for name in made)  # and the spare
     positions, values = log.take([0])[0]
     assert positions.tolist() == [0, 1, 2, 3] and values[:, 0].tolist() == [4.0] * 4  # the latest step's
+
+
+def test_a_read_area_sends_a_steps_reads_of_every_op_home_in_one_copy(monkeypatch):
+    """Read ops side by side in one area (messenger.ReadArea): each op's step values are its
+    columns; a step's rows of all of them go home in one copy (a piece per landing slot where the
+    step is longer than a slot), and each op's log gets its own columns' rows, tagged with its own
+    owners, against a dict of (request, position) -> latest value per op."""
+    from xmix_lens.backend.vllm import messenger
+
+    copies = []
+    real_copy = np.copyto  # the CPU's copy home (ReadArea._copier)
+
+    def counted_copy(target, source):
+        copies.append(source.shape[0])
+        return real_copy(target, source)
+
+    monkeypatch.setattr(messenger, "CHUNK_BYTES", 6 * 4 * 8)  # a slot of 256 rows: the least there is
+    area = messenger.ReadArea([1, 3, 2], 600, torch.float32, torch.device("cpu"), messenger.HomeCopies(pin=False))
+    assert area.slot_rows == 256
+    logs = [messenger.ReadLog(w, torch.float32, alive=lambda: np.arange(4), chunk_rows=64) for w in (1, 3, 2)]
+    gen = torch.Generator().manual_seed(0)
+    expected = [{} for _ in logs]
+    monkeypatch.setattr(np, "copyto", counted_copy)
+    for step, n in enumerate([5, 300, 3, 3, 3, 520, 2] + [4] * 10):  # two steps in pieces
+        values = torch.randn(n, 6, generator=gen)
+        area.values[:n] = values  # what the step's launches write, each op into its columns
+        positions = np.arange(n, dtype=np.int64) + step
+        owners = torch.randint(-1, 4, (3, n), generator=gen).numpy()
+        on = [0, 2] if step % 3 == 0 else [0, 1, 2]  # op 1 off in some steps: not in the step's entries
+        area.queue([(logs[i], area.columns[i], owners[i]) for i in on], positions)
+        for i in on:
+            for t in range(n):
+                if owners[i, t] >= 0:
+                    expected[i].setdefault(int(owners[i, t]), {})[step + t] = values[t, area.columns[i]]
+    monkeypatch.undo()
+    assert copies == [5, 256, 44, 3, 3, 3, 256, 256, 8, 2] + [4] * 10  # one per step and slot-long piece
+    area.settle()
+    for i, log in enumerate(logs):
+        taken = log.take([0, 1, 2, 3])
+        assert sorted(taken) == sorted(expected[i])
+        for number, (positions, values) in taken.items():
+            by_position = expected[i][number]
+            assert positions.tolist() == sorted(by_position)
+            assert torch.equal(values, torch.stack([by_position[p] for p in sorted(by_position)])), (i, number)
 
 
 def test_uninstalling_a_reading_app_before_its_last_step_goes_home_is_safe(served):
@@ -469,6 +519,44 @@ def test_uninstalling_a_reading_app_before_its_last_step_goes_home_is_safe(serve
     assert first.ops[0].log.take([number])[number][0].tolist() == [0, 1, 2]
     assert all(c.used == 0 for c in second.ops[0].log.chunks) and not np.any(
         [c.owner[:c.used] >= 0 for c in second.ops[0].log.chunks])
+
+
+def test_read_apps_installed_before_a_capture_share_one_area(served):
+    """Read apps installed one by one before any CUDA graph captures their ops share one area (made
+    again, wider, at each install: the reads of the step already run go home first); an app
+    installed after a capture gets an area of its own, and the captured op keeps its step values'
+    address. Every read reaches its own request's results."""
+    from xmix_lens.backend.vllm.control import ControlPlane
+
+    model = served[MODEL]
+    runtime = model.engine.runtime
+    plane = ControlPlane(torch.device("cpu"), 64)
+
+    def install(name, seed):
+        w, kept = vector(model.cfg.d_model, seed), {}
+        lowered = model._lower_app(name, [("blocks.1.hook_resid_post", lambda act, hook: kept.update(s=act @ w))])
+        return plane.install(name, runtime._place_all(lowered.ops, resident=True)).ops[0]
+
+    first = install("p1", 11)
+    plane.select("r0", ["p1"])
+    plane.prepare_step(["r0"], [0, 2], 2, [0])
+    first.step_values[:2] = torch.tensor([[1.0], [2.0]])  # what the step's launch wrote
+    second = install("p2", 12)
+    assert second.area is first.area and first.area.values.shape == (64, 2)
+    assert (first.step_values.data_ptr(), second.step_values.data_ptr()) == (
+        first.area.values.data_ptr(), first.area.values[:, 1].data_ptr())
+    first.captured = True  # as a launch during a graph capture marks it
+    captured_at = first.step_values.data_ptr()
+    third = install("p3", 13)
+    assert third.area is not first.area and first.step_values.data_ptr() == captured_at
+    plane.select("r0", ["p1", "p2", "p3"])
+    plane.prepare_step(["r0"], [0, 1], 1, [2])
+    for op, value in ((first, 3.0), (second, 4.0), (third, 5.0)):
+        op.step_values[0] = value
+    plane.drain()
+    results = plane.take_results(["r0"])[0]
+    got = {app: (positions.tolist(), values[:, 0].tolist()) for (app, _), (positions, values) in results.items()}
+    assert got == {"p1": ([0, 1, 2], [1.0, 2.0, 3.0]), "p2": ([2], [4.0]), "p3": ([2], [5.0])}
 
 
 def test_a_control_plane_made_under_a_default_device_keeps_its_staging_on_the_host(served):

@@ -20,20 +20,18 @@ parameters a later step has: between steps the host only writes buffers.
     (value - default) * slope, written when the request is selected.
 Nothing is recaptured, restarted or drained for any of these.
 
-Reads (the messenger): a read op writes each live token's value into its `step_values`, in the
-model's dtype. When the next step is prepared, the host queues the copy of the finished step's rows
-into the op's read log (ReadLog: host memory per read op, in the same dtype; the copy lands in a
-pinned slot on a GPU, stream ordered and non-blocking, and moves into the log's plain host chunks a
-few steps later: no conversion on the device, no driver call as the log grows), each row tagged with its request's
-number and its position (known on the host: vLLM computes the device's positions from each
-request's computed tokens, which it keeps there too). One buffer is enough: that copy is queued on the stream before the next step's forward,
-which overwrites it. Per step that is one copy and two small numpy arrays per read op, whatever the
-number of requests: no Python object per request, step or token stays behind (the garbage
-collector has nothing to walk). A request's values are gathered from the log once, when they are
-taken (`take_results`). A position computed twice (preemption recomputes a request; chunked
-prefill never does) keeps its latest value: nothing is lost or duplicated. Device memory, per
-engine: control 2 x MAX_RESIDENT_OPS x max_tokens int32, and per read op max_tokens x width in the
-model's dtype (its step values).
+Reads (the messenger, messenger.py): a read op writes each live token's value into its
+`step_values`, in the model's dtype: its columns of a read area, which the read ops installed
+before graph capture share. When the next step is prepared, the host queues one copy home per
+area of the finished step's rows, and each op's columns move into its read log (host memory per
+read op, in the same dtype) a few steps later, each row tagged with its request's number and its
+position (known on the host: vLLM computes the device's positions from each request's computed
+tokens, which it keeps there too). One buffer is enough: that copy is queued on the stream before
+the next step's forward, which overwrites it. A request's values are gathered from the log once,
+when they are taken (`take_results`). A position computed twice (preemption recomputes a
+request; chunked prefill never does) keeps its latest value: nothing is lost or duplicated.
+Device memory, per engine: control 2 x MAX_RESIDENT_OPS x max_tokens int32, and per read op
+max_tokens x width in the model's dtype (its step values).
 
 Most decode steps have the rows of the step before (the same requests, choices and token counts):
 then nothing is staged or copied, and the host's work is the reads' copies home.
@@ -43,9 +41,7 @@ steps the engine runs without graphs: requests that select such an app make thei
 (`needs_eager_steps`), which is correct and reported, never a silently dropped hook.
 """
 import hashlib
-import os
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
@@ -56,6 +52,7 @@ from xmix_lens.lowered import (AffineWrite, GeneratedRead, GeneratedWrite, Lower
                                named_tensors, op_digest, to_device)
 
 from ..executor import Executor
+from .messenger import HomeCopies, ReadArea, ReadLog
 from .sharding import Placed, on_site
 
 MAX_RESIDENT_OPS = 64  # control rows; also the most apps (one bit each in a request's uint64 mask)
@@ -74,7 +71,9 @@ class ResidentOp:
     index: int  # its row of the control buffer
     op: LoweredOp
     step_values: torch.Tensor | None = None  # reads: the step's values, [max_tokens, width] (row t: token t)
-    log: "ReadLog | None" = None  # reads: every step's values on the host, until their requests take them
+    area: ReadArea | None = None  # reads: the device buffer whose `columns` are its step values
+    columns: slice | None = None
+    log: ReadLog | None = None  # reads: every step's values on the host, until their requests take them
     captured: bool = False  # launched while a CUDA graph was being captured
     retired: bool = False  # its app was uninstalled; kept only because a captured graph launches it
     placed: Placed | None = None  # at a sharded site of a TP engine: how this rank runs it
@@ -124,8 +123,7 @@ class _Choices(NamedTuple):
 class _Step:
     """A prepared step whose reads are not queued home yet."""
 
-    read_ops: list  # the read ops on in the step (held: an uninstall before the copy home frees their rows)
-    owners: np.ndarray  # [len(read_ops), tokens]: each token's request number, -1 where the op is off
+    reads: list  # [(area, [(log, columns, owner)])]: ControlPlane._read_plan's of the step
     positions: np.ndarray  # [tokens] int64: each token's position in its request
 
 
@@ -177,236 +175,6 @@ class _Layout:
     table_ops: list  # ops with request-value tables
 
 
-CHUNK_BYTES = 4 << 20  # a read log's values come in chunks of about this size
-LANDING_SLOTS = 4  # a read log's pinned buffers, of a chunk's rows each, that its copies home land in, in turn
-_chunk_maker: tuple[int, ThreadPoolExecutor] | None = None  # (its process, the thread making read logs' chunks)
-
-
-def _make_ahead(make) -> Future:
-    """`make()` on a helper thread, so that a read log's next chunk is ready before a step needs it. One thread per process: a forked worker does not inherit its parent's."""
-    global _chunk_maker
-    if _chunk_maker is None or _chunk_maker[0] != os.getpid():
-        _chunk_maker = (os.getpid(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="xmix-read-log"))
-    return _chunk_maker[1].submit(make)
-
-
-class HomeCopies:
-    """The copies home of the read logs, in the order they are queued on the device's stream: all of a
-    step's copies, every log's, are marked by one event recorded after the last of them (`mark`), and a
-    landing slot's values are moved once the mark after their copy is done (`wait`). So a steady step
-    makes one event record and at most one synchronize whatever the number of read logs (each torch
-    call costs the host: see ReadLog). On the CPU the copies are done when made: nothing to record."""
-
-    EVENTS = 16  # marks' events, recorded in turn
-
-    def __init__(self, pin: bool):
-        self.pinned = pin  # the landing slots pinned, the copies non-blocking
-        self._events = [torch.cuda.Event() for _ in range(self.EVENTS)] if pin else None
-        self.marks = 0  # marks made: copies queued now are covered by mark number `marks`
-        self.done = 0  # the marks below this are known done
-
-    def mark(self) -> None:
-        """After a step's copies."""
-        if self._events is not None:
-            oldest = self.marks - self.EVENTS  # the mark whose event is recorded again now
-            if oldest >= self.done:  # not known done: waited for (16 steps old, in practice done)
-                self._events[oldest % self.EVENTS].synchronize()
-                self.done = oldest + 1
-            self._events[self.marks % self.EVENTS].record()
-        self.marks += 1
-
-    def wait(self, mark: int) -> None:
-        """Until the copies that mark number `mark` covers are done (marked now if it is not made yet)."""
-        if self._events is None or mark < self.done:
-            return
-        if mark == self.marks:
-            self.mark()
-        self._events[mark % self.EVENTS].synchronize()
-        self.done = mark + 1
-
-    def wait_all(self) -> None:
-        self.wait(self.marks - 1)
-
-
-@dataclass(eq=False)
-class _Chunk:
-    values: torch.Tensor  # [rows, width], the read's dtype
-    values_np: np.ndarray  # the same memory as numpy sees it (_as_numpy)
-    positions: np.ndarray  # [rows] int64
-    owner: np.ndarray  # [rows] int64: the number of the request each row belongs to; -1: nobody's
-    used: int = 0
-
-
-class ReadLog:
-    """One read op's values of every step, on the host, until their requests take them.
-
-    Rows are appended a step at a time, each tagged with the number of the request its token
-    belongs to and its position. Requests' rows are found by one lookup of their numbers over the
-    tags when they are taken, those finishing together at once (`take`). When the log needs a
-    chunk it first recycles its oldest ones whose rows are all nobody's or of requests no longer
-    alive, so memory follows the reads not yet taken; a new chunk is made ahead, on a helper thread
-    (`_make_ahead`).
-
-    A step's values are copied home into a landing slot (pinned on a GPU: the copy is stream
-    ordered and non-blocking), made with the log, and moved into their chunk's rows on the host when
-    the slot comes round again (its copy is steps old by then: done, `HomeCopies`) or before a take.
-    The chunks are plain host memory: pinning memory is a driver call, and each pinned chunk made
-    while the engine ran cost a step in the tail: on the H200 a new 4 MiB chunk took 2.2 ms inline,
-    and made on a helper thread the steps around it were still slower (docs/benchmarks.md, session
-    15). A step whose values fill more than LANDING_SLOTS - 1 slots waits for its first ones'
-    copies. A new chunk's pages are written once on the helper thread (numpy lets go of the GIL
-    there): a page's first write faults, and on the steps' thread the first pass through a chunk
-    cost 20 times the copies' own time (`ReadLog._move` timed inside `bench/host_step.py` on this
-    CPU: 170 against 7 us a step at 256 requests).
-
-    A step's append makes one torch call (the copy home; the step's event is `HomeCopies`'): every
-    torch call, a slice included, lets go of the GIL and then waits to get it back, up to
-    `sys.getswitchinterval()` (5 ms) while another thread runs Python (vLLM's do: `bench/host_step.py
-    --busy-thread`). So the slices of a steady step are made once and kept, and the moves on the
-    host are numpy copies."""
-
-    RECYCLE_CHECKS = 4  # oldest chunks looked at when a chunk is needed
-
-    def __init__(self, width: int, dtype: torch.dtype, copies: HomeCopies, alive, chunk_rows: int | None = None):
-        self.width, self.dtype, self.alive, self.copies = width, dtype, alive, copies  # alive(): requests alive
-        self.chunk_rows = chunk_rows or max(256, min(65536, CHUNK_BYTES // (dtype.itemsize * width)))
-        self.chunks: list[_Chunk] = []  # in the order they were filled (a recycled chunk goes last)
-        self.chunks_made = 0  # a bench field: new chunks are the log's only allocations
-        self._spare = _make_ahead(self._new_chunk)  # the next new chunk, made ahead
-        self._landing = _host_empty((LANDING_SLOTS, self.chunk_rows, width), dtype, copies.pinned)
-        self._landing_np = _as_numpy(self._landing)
-        self._slot_rows: list[tuple[int, torch.Tensor | None]] = [(0, None)] * LANDING_SLOTS  # (n, slot[:n]), kept
-        self._source_rows: tuple = (None, 0, None)  # (a step's values buffer, n, its first n rows), kept
-        self._moves: list[tuple | None] = [None] * LANDING_SLOTS  # per slot: (rows, chunk, first row, mark) to move
-        self._turns = 0  # slots used so far: the next is turns % LANDING_SLOTS, the oldest copy
-
-    def append(self, values: torch.Tensor, positions: np.ndarray, owner: np.ndarray) -> None:
-        """Queue a step's copy home (stream ordered: its values are the step's once it is done):
-        the first len(owner) rows of `values` (the op's step-values buffer)."""
-        done, n = 0, len(owner)
-        while done < n:
-            chunk = self.chunks[-1] if self.chunks and self.chunks[-1].used < self.chunk_rows else self._next_chunk()
-            k = min(n - done, self.chunk_rows - chunk.used)
-            self._land(self._first_rows(values, k) if done == 0 else values[done:done + k], k, chunk, chunk.used)
-            rows = slice(chunk.used, chunk.used + k)
-            chunk.positions[rows] = positions[done:done + k]
-            chunk.owner[rows] = owner[done:done + k]
-            chunk.used += k
-            done += k
-
-    def _first_rows(self, values: torch.Tensor, n: int) -> torch.Tensor:
-        """values[:n], the same view as the step before's when the buffer and n are (steady steps)."""
-        buffer, rows, view = self._source_rows
-        if buffer is not values or rows != n:
-            view = values[:n]
-            self._source_rows = (values, n, view)
-        return view
-
-    def _land(self, values: torch.Tensor, n: int, chunk: _Chunk, first: int) -> None:
-        """`values` (n rows) copied into the next landing slot, to move to the chunk's rows from `first` later."""
-        slot = self._turns % LANDING_SLOTS
-        self._turns += 1
-        self._move(slot)  # the slot's last copy, into its chunk first
-        rows, target = self._slot_rows[slot]
-        if rows != n:
-            target = self._landing[slot, :n]
-            self._slot_rows[slot] = (n, target)
-        target.copy_(values, non_blocking=self.copies.pinned)
-        self._moves[slot] = (n, chunk, first, self.copies.marks)
-
-    def _move(self, slot: int) -> None:
-        """The slot's landed values into their chunk's rows. Moves run in the order of their copies
-        (oldest slot first), so a recycled chunk's rows end with their latest values."""
-        move, self._moves[slot] = self._moves[slot], None
-        if move is None:
-            return
-        k, chunk, first, mark = move
-        self.copies.wait(mark)
-        chunk.values_np[first:first + k] = self._landing_np[slot, :k]
-
-    def _settle(self) -> None:
-        """Every landed value into its chunk (waits for copies not done yet)."""
-        for turn in range(self._turns, self._turns + LANDING_SLOTS):  # oldest first
-            self._move(turn % LANDING_SLOTS)
-
-    def _next_chunk(self) -> _Chunk:
-        alive = None
-        for chunk in self.chunks[: self.RECYCLE_CHECKS]:
-            if alive is None:
-                alive = self.alive()
-            # request numbers are consecutive integers: a lookup table over their range, not a sort
-            if len(alive) == 0 or not np.isin(chunk.owner[:chunk.used], alive, kind="table").any():
-                self.chunks.remove(chunk)
-                chunk.used = 0
-                break
-        else:
-            chunk, self._spare = self._spare.result(), _make_ahead(self._new_chunk)
-            self.chunks_made += 1
-        self.chunks.append(chunk)
-        return chunk
-
-    def _new_chunk(self) -> _Chunk:
-        """A chunk with every page written once (see ReadLog)."""
-        values = _host_empty((self.chunk_rows, self.width), self.dtype, pin=False)
-        values_np = _as_numpy(values)
-        values_np.fill(0)
-        return _Chunk(values, values_np, np.full(self.chunk_rows, 0, dtype=np.int64),
-                      np.full(self.chunk_rows, -1, dtype=np.int64))
-
-    def take(self, numbers: list[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        """Requests' (positions [n], values [n, width]) by position, the latest value of a position
-        computed twice; their rows are then nobody's. One pass over the log for all of them (a
-        pass's or an API request's requests finish together): a request's rows are found by one
-        lookup over the tags, not by one comparison over the log per request. Requests with no
-        rows are left out."""
-        self._settle()
-        wanted = np.asarray(numbers, dtype=np.int64)
-        if not self.chunks or not len(wanted):
-            return {}
-        owners, positions, chunk_of, rows = [], [], [], []
-        for c, chunk in enumerate(self.chunks):  # in fill order: later rows are later steps
-            tags = chunk.owner[:chunk.used]
-            found = np.flatnonzero(np.isin(tags, wanted, kind="table"))
-            if len(found):
-                owners.append(tags[found])
-                positions.append(chunk.positions[found])
-                chunk_of.append(np.full(len(found), c))
-                rows.append(found)
-                chunk.owner[found] = -1
-        if not owners:
-            return {}
-        owners, positions = np.concatenate(owners), np.concatenate(positions)
-        order = np.lexsort((positions, owners))  # stable: rows of one (request, position) stay in fill order
-        owners, positions = owners[order], positions[order]
-        last = np.append((owners[1:] != owners[:-1]) | (positions[1:] != positions[:-1]), True)
-        kept = order[last]  # each (request, position)'s last row, by request and position
-        owners, positions = owners[last], positions[last]
-        chunk_of, rows = np.concatenate(chunk_of)[kept], np.concatenate(rows)[kept]
-        values = self._gather(chunk_of, rows)
-        starts = np.flatnonzero(np.append(True, owners[1:] != owners[:-1]))
-        bounds = np.append(starts, len(owners))
-        return {int(owners[a]): (torch.from_numpy(positions[a:b]), values[a:b])
-                for a, b in zip(bounds[:-1], bounds[1:])}
-
-    def _gather(self, chunk_of: np.ndarray, rows: np.ndarray) -> torch.Tensor:
-        """The values of rows[i] of chunk chunk_of[i], in that order: one copy from a single chunk,
-        else one per chunk. index_select and index_copy_, not advanced indexing: for 64 rows 7 us
-        either way, against 13 us on an idle 2-core host and 5 ms on a busy one (torch's intra-op
-        threads)."""
-        if (chunk_of == chunk_of[0]).all():
-            return self.chunks[chunk_of[0]].values.index_select(0, torch.from_numpy(rows))
-        values = torch.empty(len(rows), self.width, dtype=self.dtype)
-        for c in np.unique(chunk_of):
-            at = np.flatnonzero(chunk_of == c)
-            from_chunk = self.chunks[c].values.index_select(0, torch.from_numpy(rows[at]))
-            values.index_copy_(0, torch.from_numpy(at), from_chunk)
-        return values
-
-    def clear(self) -> None:
-        for chunk in self.chunks:
-            chunk.owner[:chunk.used] = -1
-
-
 @dataclass
 class ControlPlane:
     device: torch.device
@@ -451,7 +219,10 @@ class ControlPlane:
         # call, a slice too, lets go of the GIL (see ReadLog)
         self._copy_views: list[tuple] = [((0, 0), None)] * STAGING_BUFFERS
         self._in_control: tuple | None = None  # what the rows in `control` were made from (_prepare's key)
-        self._read_owners: tuple = ([], None)  # the read ops on in those rows, and each token's request number
+        # the read ops on in those rows, by area: [(area, [(log, columns, owner [tokens]: each token's
+        # request number, -1 where the op is off)])] (held: an uninstall before the copy home frees rows)
+        self._read_plan: list = []
+        self._areas: list[ReadArea] = []  # the last takes the read ops installed until a graph captures one
         self._copies_home = HomeCopies(pin)  # the read logs' copies home, and their events
         self._unqueued: _Step | None = None  # the prepared step whose reads are not queued home yet
         self._pin = pin
@@ -489,7 +260,7 @@ class ControlPlane:
                 f"{MAX_RESIDENT_OPS} control rows free ({held} held by uninstalled apps that CUDA graphs captured). "
                 "Uninstall apps you no longer use, or build a new engine (from_pretrained) for more")
         check_resident(name, ops_by_site)  # every op checked before any is installed
-        resident = []
+        resident, reads = [], []
         for site, ops in ops_by_site.items():
             for op in ops:
                 op, placed = _unplaced(op)
@@ -498,20 +269,36 @@ class ControlPlane:
                 op, tables = self._with_tables(name, to_device(op, self.device), placed)
                 entry = ResidentOp(name, site, free.pop(0), op, placed=placed, tables=tables)
                 if isinstance(op, (Read, GeneratedRead)):
-                    width = int(np.prod(op.feature_shape, dtype=np.int64))
-                    entry.step_values = torch.zeros(self.max_tokens, width, dtype=self.read_dtype, device=self.device)
+                    reads.append(entry)
                     if self.delivers:
-                        entry.log = ReadLog(width, self.read_dtype, self._copies_home, self._alive_numbers)
+                        entry.log = ReadLog(_read_width(op), self.read_dtype, self._alive_numbers)
                 self.slots += [None] * (entry.index + 1 - len(self.slots))
                 self.slots[entry.index] = entry
                 self.by_site.setdefault(site, []).append(entry)
                 resident.append(entry)
+        if reads:
+            self._place_reads(reads)
         app = self.apps[name] = ResidentApp(name, resident, params=dict(params or {}))
         app.refresh_digest()
         self._bit[name] = min(set(range(MAX_RESIDENT_OPS)) - set(self._bit.values()))
         self._layout = None
         self._choices_version += 1  # the cached masks may lack read-log numbers the new app needs
         return app
+
+    def _place_reads(self, reads: list[ResidentOp]) -> None:
+        """New read ops' step values: columns of the last area, made again wider while no CUDA graph
+        has captured an op of it (its ops get new views; their last step's rows go home first), else
+        of a new area (a captured graph writes to the last one's addresses)."""
+        last = self._areas[-1] if self._areas else None
+        if last is not None and not any(o.captured for o in self.ops if o.area is last):
+            self.drain()
+            reads = [o for o in self.ops if o.area is last and o not in reads] + reads
+            self._areas.pop()
+        area = ReadArea([_read_width(o.op) for o in reads], self.max_tokens, self.read_dtype, self.device,
+                        self._copies_home if self.delivers else None)
+        for entry, columns in zip(reads, area.columns):
+            entry.area, entry.columns, entry.step_values = area, columns, area.values[:, columns]
+        self._areas.append(area)
 
     def _with_tables(self, app: str, op: LoweredOp, placed) -> tuple[LoweredOp, dict]:
         """The op with each field its request params move held as a table [slots, ...] (row 0 the
@@ -717,15 +504,14 @@ class ControlPlane:
             self._stage(layout, query_start, n_tokens, width, choices.bits, choices.numbers, req_ids)
             self._in_control = key
         self._idle = not choices.any_on
-        read_ops, owners = self._read_owners
-        if not read_ops:
+        if not self._read_plan:
             return
         if n_tokens == n:  # a decode step: each request's one token is at its first position (a copy:
             positions = np.array(first_positions[:n], dtype=np.int64)  # vLLM reuses its buffer)
         else:  # each token's position: its request's first, plus its index past the request's start
             positions = np.repeat(np.asarray(first_positions[:n], dtype=np.int64) - query_start[:-1],
                                   np.diff(query_start)) + np.arange(n_tokens, dtype=np.int64)
-        self._unqueued = _Step(read_ops, owners, positions)
+        self._unqueued = _Step(self._read_plan, positions)
 
     def _stage(self, layout, query_start, n_tokens, width, request_bits, numbers, req_ids) -> None:
         """A step's rows into `control` (staged on the host, one copy to the device), and the read ops
@@ -769,14 +555,14 @@ class ControlPlane:
         rows.copy_(landed)
         if self._pin:
             self._staged_events[turn].record()
-        read_ops, owners = [], None
+        plan: dict[ReadArea, list] = {}
         if len(layout.reads) and self.delivers:
             read_on = on[layout.reads]
-            live = read_on.any(axis=1)
-            if live.any():
-                owners = np.where(read_on[live], np.repeat(numbers, per_request), -1)
-                read_ops = [op for op, on in zip(layout.read_ops, live) if on]
-        self._read_owners = (read_ops, owners)
+            owners = np.where(read_on, np.repeat(numbers, per_request), -1)
+            for op, op_on, owner in zip(layout.read_ops, read_on, owners):
+                if op_on.any():
+                    plan.setdefault(op.area, []).append((op.log, op.columns, owner))
+        self._read_plan = list(plan.items())
 
     def _make_layout(self) -> _Layout:
         self._in_control = None  # rows made for other ops
@@ -849,32 +635,25 @@ class ControlPlane:
 
     # --- the messenger ----------------------------------------------------------------------------
     def _queue_home(self) -> None:
-        """Queue the copy of the prepared step's reads into the read logs (its forward is on the
+        """Queue the copy home of the prepared step's reads, one per area (its forward is on the
         stream before anything that runs after it: stream ordered, the copy waits for it)."""
         step, self._unqueued = self._unqueued, None
         if step is None:
             return
-        for op, owner in zip(step.read_ops, step.owners):
-            op.log.append(op.step_values, step.positions, owner)
+        for area, entries in step.reads:
+            area.queue(entries, step.positions)
         self._copies_home.mark()
 
     def drain(self) -> None:
         """Every read of the steps run so far in the read logs (before results are taken)."""
         self._queue_home()
         self._copies_home.wait_all()
+        for area in self._areas:
+            area.settle()
 
 
-def _as_numpy(t: torch.Tensor) -> np.ndarray:
-    """A numpy view of a host tensor's memory, as integers of its element size (numpy has no
-    bfloat16): copies through it are numpy's, not torch calls (see ReadLog)."""
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]).numpy()
-
-
-def _host_empty(shape: tuple, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    # a normal tensor, also when made during a step (vLLM runs those in inference mode): the log is
-    # written outside it too (drain, before results are taken)
-    with torch.inference_mode(False):
-        return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=pin)
+def _read_width(op: LoweredOp) -> int:
+    return int(np.prod(op.feature_shape, dtype=np.int64))
 
 
 def check_resident(app: str, ops_by_key: dict) -> None:

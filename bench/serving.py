@@ -211,8 +211,9 @@ def freeze_heap() -> int:
     generation walks: the earlier runs' results, what the engines made since they froze theirs),
     then all of it frozen, as vLLM's own serving benchmark does before it runs (`freeze_gc_heap`,
     vllm/benchmarks/serve.py): a run's collections then walk what that run makes, in every mode
-    alike. Before, every run's slowest decode step at 256 and 512 requests held a collection of the
-    oldest generation of 5-81 ms, native's too (docs/benchmarks.md, session 18)."""
+    alike. On the H200 120-1,400 objects were outside the frozen heap before a run (session 19):
+    the collections' pauses in a run (5-24 ms of the oldest generation at 256 and 512 requests,
+    native's too) walk what the run itself makes, not what the bench kept."""
     from vllm.utils.gc_utils import freeze_gc_heap
 
     tracked = len(gc.get_objects())

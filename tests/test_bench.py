@@ -40,6 +40,7 @@ def test_harness_runs_every_mode_and_the_modes_do_what_they_claim(tmp_path):
     out = tmp_path / "toy.json"
     serving.main(["--model", str(tiny_llama()), "--toy", "--eager-engines", "--repeats", "2",
                   "--max-model-len", "128", "--dtype", "float32", "--profile", "--out", str(out)])
+    assert gc.get_freeze_count() == 0  # each run froze the heap; the bench unfroze it (its engines collectable)
     result = json.loads(out.read_text())
     assert result["steer_std"] == 0.05  # a real model's (not --dummy)
     decode = result["workloads"]["decode"]

@@ -292,7 +292,7 @@ class ControlPlane:
         last = self._areas[-1] if self._areas else None
         if last is not None and not any(o.captured for o in self.ops if o.area is last):
             self.drain()
-            reads = [o for o in self.ops if o.area is last and o not in reads] + reads
+            reads = [o for o in self.ops if o.area is last] + reads  # the new ops have no area yet
             self._areas.pop()
         area = ReadArea([_read_width(o.op) for o in reads], self.max_tokens, self.read_dtype, self.device,
                         self._copies_home if self.delivers else None)

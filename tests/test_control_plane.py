@@ -302,7 +302,7 @@ def test_per_token_apps_become_resident_and_equal_traced_hooks(served):
 
 
 def test_reads_leave_no_python_objects_behind_as_steps_run(installed):
-    """Every step's reads go into one host buffer per read op (messenger.ReadLog), not into objects
+    """Every step's reads go into one host log per read area (messenger.ReadLog), not into objects
     per request and step: what the garbage collector tracks stays flat while 8 reading requests
     generate, and each request's reads still come back whole."""
     model, apps, _ = installed
@@ -340,8 +340,8 @@ def test_read_log_returns_each_requests_latest_values_across_chunks_and_recycles
     from xmix_lens.backend.vllm.messenger import ReadLog, _as_numpy
 
     alive = {0, 1, 2, 3}
-    log = ReadLog(3, torch.float32, alive=lambda: np.array(sorted(alive), dtype=np.int64),
-                  chunk_rows=8)  # small chunks: steps cross them
+    log = ReadLog(3, 1, torch.float32, alive=lambda: np.array(sorted(alive), dtype=np.int64),
+                  chunk_rows=8)  # one op's columns; small chunks: steps cross them
     gen = torch.Generator().manual_seed(0)
     expected = {}
     for step in range(12):
@@ -349,25 +349,25 @@ def test_read_log_returns_each_requests_latest_values_across_chunks_and_recycles
         owner[0] = 3 if step == 0 else owner[0]
         positions = torch.randint(0, 6, (5,), generator=gen).numpy()  # repeats: recomputed positions
         values = torch.randn(5, 3, generator=gen)
-        log.append(_as_numpy(values), positions, owner)
+        log.append(_as_numpy(values), positions, owner[:, None])
         for o, p, v in zip(owner.tolist(), positions.tolist(), values):
             if o >= 0:
                 expected.setdefault(o, {})[p] = v  # the latest value wins
-    taken = log.take([1, 0, 7])  # requests taken together; 7 has no rows
+    taken = log.take([1, 0, 7], 0, slice(0, 3))  # requests taken together; 7 has no rows
     assert sorted(taken) == [0, 1]
     for number in (0, 1):
         positions, values = taken[number]
         assert positions.tolist() == sorted(expected[number])
         assert torch.equal(values, torch.stack([expected[number][p] for p in sorted(expected[number])]))
-    assert log.take([0, 1]) == {}  # taken once
+    assert log.take([0, 1], 0, slice(0, 3)) == {}  # taken once
     alive -= {0, 1, 2}  # 2 forgotten without taking; 3 still alive
     chunks = len(log.chunks)
     for _ in range(4):  # chunks holding nothing of request 3 are reused before any is made
-        log.append(_as_numpy(torch.zeros(8, 3)), np.zeros(8, dtype=np.int64), np.full(8, -1))
+        log.append(_as_numpy(torch.zeros(8, 3)), np.zeros(8, dtype=np.int64), np.full((8, 1), -1))
     recycled = chunks + 4 - len(log.chunks)
     holding_3 = sum(bool((c.owner[:c.used] == 3).any()) for c in log.chunks)
     assert recycled >= 1 and holding_3 >= 1
-    positions, values = log.take([3])[3]  # its rows kept while chunks were reused
+    positions, values = log.take([3], 0, slice(0, 3))[3]  # its rows kept while chunks were reused
     assert positions.tolist() == sorted(expected[3])
     assert torch.equal(values, torch.stack([expected[3][p] for p in sorted(expected[3])]))
 
@@ -435,21 +435,22 @@ def test_a_read_logs_new_chunks_are_made_ahead_on_a_helper_thread(monkeypatch):
         return torch.empty(shape, dtype=dtype)
 
     monkeypatch.setattr(messenger, "_host_empty", host_empty)
-    log = messenger.ReadLog(2, torch.float32, alive=lambda: np.arange(1), chunk_rows=4)
+    log = messenger.ReadLog(2, 1, torch.float32, alive=lambda: np.arange(1), chunk_rows=4)
     for step in range(5):  # request 0 stays alive: no chunk is recycled, each step needs a new one
-        log.append(messenger._as_numpy(torch.full((4, 2), float(step))), np.arange(4), np.zeros(4, dtype=np.int64))
+        log.append(messenger._as_numpy(torch.full((4, 2), float(step))), np.arange(4), np.zeros((4, 1), dtype=np.int64))
     assert log.chunks_made == len(log.chunks) == 5
     log._spare.result()
     assert len(made) == 6 and all(name.startswith("xmix-read-log") for name in made)  # and the spare
-    positions, values = log.take([0])[0]
+    positions, values = log.take([0], 0, slice(0, 2))[0]
     assert positions.tolist() == [0, 1, 2, 3] and values[:, 0].tolist() == [4.0] * 4  # the latest step's
 
 
 def test_a_read_area_sends_a_steps_reads_of_every_op_home_in_one_copy(monkeypatch):
     """Read ops side by side in one area (messenger.ReadArea): each op's step values are its
     columns; a step's rows of all of them go home in one copy (a piece per landing slot where the
-    step is longer than a slot), and each op's log gets its own columns' rows, tagged with its own
-    owners, against a dict of (request, position) -> latest value per op."""
+    step is longer than a slot) and move, every op's columns at once, into the area's log, each
+    op's rows tagged with its own owners: each op's take against a dict of (request, position) ->
+    latest value per op, across the log's chunks."""
     from xmix_lens.backend.vllm import messenger
 
     copies = []
@@ -459,34 +460,57 @@ def test_a_read_area_sends_a_steps_reads_of_every_op_home_in_one_copy(monkeypatc
         copies.append(source.shape[0])
         return real_copy(target, source)
 
-    monkeypatch.setattr(messenger, "CHUNK_BYTES", 6 * 4 * 8)  # a slot of 256 rows: the least there is
-    area = messenger.ReadArea([1, 3, 2], 600, torch.float32, torch.device("cpu"), messenger.HomeCopies(pin=False))
-    assert area.slot_rows == 256
-    logs = [messenger.ReadLog(w, torch.float32, alive=lambda: np.arange(4), chunk_rows=64) for w in (1, 3, 2)]
+    monkeypatch.setattr(messenger, "CHUNK_BYTES", 6 * 4 * 8)  # slots and chunks of 256 rows: the least there is
+    area = messenger.ReadArea([1, 3, 2], 600, torch.float32, torch.device("cpu"), messenger.HomeCopies(pin=False),
+                              alive=lambda: np.arange(4))
+    assert area.slot_rows == area.log.chunk_rows == 256
     gen = torch.Generator().manual_seed(0)
-    expected = [{} for _ in logs]
+    expected = [{} for _ in area.columns]
     monkeypatch.setattr(np, "copyto", counted_copy)
     for step, n in enumerate([5, 300, 3, 3, 3, 520, 2] + [4] * 10):  # two steps in pieces
         values = torch.randn(n, 6, generator=gen)
         area.values[:n] = values  # what the step's launches write, each op into its columns
         positions = np.arange(n, dtype=np.int64) + step
-        owners = torch.randint(-1, 4, (3, n), generator=gen).numpy()
-        on = [0, 2] if step % 3 == 0 else [0, 1, 2]  # op 1 off in some steps: not in the step's entries
-        area.queue([(logs[i], area.columns[i], owners[i]) for i in on], positions)
-        for i in on:
+        owners = torch.randint(-1, 4, (n, 3), generator=gen).numpy()
+        if step % 3 == 0:
+            owners[:, 1] = -1  # op 1 off in some steps
+        area.queue(owners, positions)
+        for i, columns in enumerate(area.columns):
             for t in range(n):
-                if owners[i, t] >= 0:
-                    expected[i].setdefault(int(owners[i, t]), {})[step + t] = values[t, area.columns[i]]
+                if owners[t, i] >= 0:
+                    expected[i].setdefault(int(owners[t, i]), {})[step + t] = values[t, columns]
     monkeypatch.undo()
     assert copies == [5, 256, 44, 3, 3, 3, 256, 256, 8, 2] + [4] * 10  # one per step and slot-long piece
     area.settle()
-    for i, log in enumerate(logs):
-        taken = log.take([0, 1, 2, 3])
+    assert len(area.log.chunks) == 4  # 876 rows
+    for i in range(len(area.columns)):
+        taken = area.take([0, 1, 2, 3], i)
         assert sorted(taken) == sorted(expected[i])
         for number, (positions, values) in taken.items():
             by_position = expected[i][number]
             assert positions.tolist() == sorted(by_position)
             assert torch.equal(values, torch.stack([by_position[p] for p in sorted(by_position)])), (i, number)
+
+
+def test_a_wider_area_absorbs_the_rows_its_ops_had_in_the_last_one():
+    """An area made again wider (read ops installed before a capture) takes over the rows the old
+    area's log holds for the ops it keeps, in their new columns; rows only a dropped op owned stay
+    behind."""
+    from xmix_lens.backend.vllm import messenger
+
+    alive = lambda: np.arange(3)  # noqa: E731
+    old = messenger.ReadArea([2, 1], 8, torch.float32, torch.device("cpu"), messenger.HomeCopies(pin=False), alive)
+    old.values[:4] = torch.arange(12.0).view(4, 3)
+    old.queue(np.array([[0, 1], [0, -1], [-1, 2], [-1, -1]]), np.array([5, 6, 7, 8]))
+    old.settle()
+    new = messenger.ReadArea([1, 3, 2], 8, torch.float32, torch.device("cpu"), messenger.HomeCopies(pin=False), alive)
+    new.log.absorb(old.log, [(1, old.columns[1], 0, new.columns[0]), (0, old.columns[0], 2, new.columns[2])])
+    assert sum(c.used for c in new.log.chunks) == 3  # the row nobody owned stays behind
+    positions, values = new.take([0], 2)[0]  # op 0 there is op 2 here
+    assert positions.tolist() == [5, 6] and values.tolist() == [[0.0, 1.0], [3.0, 4.0]]
+    assert {n: (p.tolist(), v.tolist()) for n, (p, v) in new.take([1, 2], 0).items()} == {
+        1: ([5], [[2.0]]), 2: ([7], [[8.0]])}
+    assert new.take([0, 1, 2], 1) == {}  # the new op has no rows yet
 
 
 def test_uninstalling_a_reading_app_before_its_last_step_goes_home_is_safe(served):
@@ -516,9 +540,9 @@ def test_uninstalling_a_reading_app_before_its_last_step_goes_home_is_safe(serve
     assert second.ops[0].index == first.ops[0].index
     plane.drain()
     number = plane._number["r0"]
-    assert first.ops[0].log.take([number])[number][0].tolist() == [0, 1, 2]
-    assert all(c.used == 0 for c in second.ops[0].log.chunks) and not np.any(
-        [c.owner[:c.used] >= 0 for c in second.ops[0].log.chunks])
+    old, new = first.ops[0], second.ops[0]
+    assert old.area.take([number], old.area_op)[number][0].tolist() == [0, 1, 2]  # its own area's log
+    assert new.area is not old.area and new.area.take([number], new.area_op) == {}
 
 
 def test_read_apps_installed_before_a_capture_share_one_area(served):

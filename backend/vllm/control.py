@@ -52,7 +52,7 @@ from xmix_lens.lowered import (AffineWrite, GeneratedRead, GeneratedWrite, Lower
                                named_tensors, op_digest, to_device)
 
 from ..executor import Executor
-from .messenger import HomeCopies, ReadArea, ReadLog
+from .messenger import HomeCopies, ReadArea
 from .sharding import Placed, on_site
 
 MAX_RESIDENT_OPS = 64  # control rows; also the most apps (one bit each in a request's uint64 mask)
@@ -73,11 +73,16 @@ class ResidentOp:
     step_values: torch.Tensor | None = None  # reads: the step's values, [max_tokens, width] (row t: token t)
     area: ReadArea | None = None  # reads: the device buffer whose `columns` are its step values
     columns: slice | None = None
-    log: ReadLog | None = None  # reads: every step's values on the host, until their requests take them
+    area_op: int = -1  # reads: its number among the area's ops (its tags in the area's log)
     captured: bool = False  # launched while a CUDA graph was being captured
     retired: bool = False  # its app was uninstalled; kept only because a captured graph launches it
     placed: Placed | None = None  # at a sharded site of a TP engine: how this rank runs it
     tables: dict = field(default_factory=dict)  # field ("bias", "consts[i]") -> [slots, ...]: row 0 the default
+
+    @property
+    def reads_home(self) -> bool:
+        """A read whose values this rank keeps in its area's log (TP: rank 0's)."""
+        return self.area is not None and self.area.log is not None
 
 
 @dataclass(frozen=True)
@@ -123,7 +128,7 @@ class _Choices(NamedTuple):
 class _Step:
     """A prepared step whose reads are not queued home yet."""
 
-    reads: list  # [(area, [(log, columns, owner)])]: ControlPlane._read_plan's of the step
+    reads: list  # [(area, owner [tokens, area's ops])]: ControlPlane._read_plan's of the step
     positions: np.ndarray  # [tokens] int64: each token's position in its request
 
 
@@ -219,11 +224,11 @@ class ControlPlane:
         # call, a slice too, lets go of the GIL (see ReadLog)
         self._copy_views: list[tuple] = [((0, 0), None)] * STAGING_BUFFERS
         self._in_control: tuple | None = None  # what the rows in `control` were made from (_prepare's key)
-        # the read ops on in those rows, by area: [(area, [(log, columns, owner [tokens]: each token's
-        # request number, -1 where the op is off)])] (held: an uninstall before the copy home frees rows)
+        # the areas with a read op on in those rows: [(area, owner [tokens, area's ops]: each token's
+        # request number per op, -1 where the op is off)] (held: an uninstall before the copy home frees rows)
         self._read_plan: list = []
         self._areas: list[ReadArea] = []  # the last takes the read ops installed until a graph captures one
-        self._copies_home = HomeCopies(pin)  # the read logs' copies home, and their events
+        self._copies_home = HomeCopies(pin)  # the read logs' copies home, and their event
         self._unqueued: _Step | None = None  # the prepared step whose reads are not queued home yet
         self._pin = pin
         self._number: dict[str, int] = {}  # request id -> its number in the read logs
@@ -270,8 +275,6 @@ class ControlPlane:
                 entry = ResidentOp(name, site, free.pop(0), op, placed=placed, tables=tables)
                 if isinstance(op, (Read, GeneratedRead)):
                     reads.append(entry)
-                    if self.delivers:
-                        entry.log = ReadLog(_read_width(op), self.read_dtype, self._alive_numbers)
                 self.slots += [None] * (entry.index + 1 - len(self.slots))
                 self.slots[entry.index] = entry
                 self.by_site.setdefault(site, []).append(entry)
@@ -287,17 +290,22 @@ class ControlPlane:
 
     def _place_reads(self, reads: list[ResidentOp]) -> None:
         """New read ops' step values: columns of the last area, made again wider while no CUDA graph
-        has captured an op of it (its ops get new views; their last step's rows go home first), else
-        of a new area (a captured graph writes to the last one's addresses)."""
+        has captured an op of it (its ops get new views; their rows so far go home first and move
+        into the new area's log), else of a new area (a captured graph writes to the last one's
+        addresses)."""
         last = self._areas[-1] if self._areas else None
+        kept = []
         if last is not None and not any(o.captured for o in self.ops if o.area is last):
             self.drain()
-            reads = [o for o in self.ops if o.area is last] + reads  # the new ops have no area yet
+            kept = [o for o in self.ops if o.area is last]
             self._areas.pop()
-        area = ReadArea([_read_width(o.op) for o in reads], self.max_tokens, self.read_dtype, self.device,
-                        self._copies_home if self.delivers else None)
-        for entry, columns in zip(reads, area.columns):
-            entry.area, entry.columns, entry.step_values = area, columns, area.values[:, columns]
+        area = ReadArea([_read_width(o.op) for o in kept + reads], self.max_tokens, self.read_dtype, self.device,
+                        self._copies_home if self.delivers else None, self._alive_numbers)
+        if kept and area.log is not None:
+            area.log.absorb(last.log, [(o.area_op, o.columns, i, area.columns[i]) for i, o in enumerate(kept)])
+        for i, entry in enumerate(kept + reads):
+            entry.area, entry.area_op, entry.columns = area, i, area.columns[i]
+            entry.step_values = area.values[:, entry.columns]
         self._areas.append(area)
 
     def _with_tables(self, app: str, op: LoweredOp, placed) -> tuple[LoweredOp, dict]:
@@ -410,6 +418,11 @@ class ControlPlane:
         """Whether the reads of a request that chose no apps were kept (it ran the default apps)."""
         return req_id in self._number and req_id not in self.selected
 
+    @property
+    def read_chunks_made(self) -> int:
+        """The host chunks the read logs of the areas in use have made (the logs' only allocations: a bench field)."""
+        return sum(area.log.chunks_made for area in self._areas if area.log is not None)
+
     def take_results(self, req_ids: list[str]) -> list[dict]:
         """Per request, each read's values so far, by (app, read key): (positions [n], values
         [n, width]), sorted by position. The caller drains first (`drain`)."""
@@ -419,9 +432,9 @@ class ControlPlane:
         if not known:
             return out
         for op in self.ops:
-            if op.log is None:
+            if not op.reads_home:
                 continue
-            taken = op.log.take(known)
+            taken = op.area.take(known, op.area_op)
             for results, number in zip(out, numbers):
                 if number in taken:
                     results[(op.app, op.op.key)] = taken[number]
@@ -430,9 +443,9 @@ class ControlPlane:
     def clear_reads(self) -> None:
         """Every read so far dropped (those of requests that no call collects, sent to vLLM directly)."""
         self.drain()
-        for op in self.ops:
-            if op.log is not None:
-                op.log.clear()
+        for area in self._areas:
+            if area.log is not None:
+                area.log.clear()
 
     def _alive_numbers(self) -> np.ndarray:
         return np.fromiter(self._number.values(), dtype=np.int64, count=len(self._number))
@@ -555,19 +568,21 @@ class ControlPlane:
         rows.copy_(landed)
         if self._pin:
             self._staged_events[turn].record()
-        plan: dict[ReadArea, list] = {}
+        plan: dict[ReadArea, np.ndarray] = {}  # per area with an op on: each token's owner per op
         if len(layout.reads) and self.delivers:
             read_on = on[layout.reads]
             owners = np.where(read_on, np.repeat(numbers, per_request), -1)
             for op, op_on, owner in zip(layout.read_ops, read_on, owners):
                 if op_on.any():
-                    plan.setdefault(op.area, []).append((op.log, op.columns, owner))
+                    if op.area not in plan:
+                        plan[op.area] = np.full((n_tokens, len(op.area.columns)), -1, dtype=np.int64)
+                    plan[op.area][:, op.area_op] = owner
         self._read_plan = list(plan.items())
 
     def _make_layout(self) -> _Layout:
         self._in_control = None  # rows made for other ops
         ops = [op for op in self.ops if not op.retired]  # a retired op's row stays -1: selected by nobody
-        reads = [i for i, op in enumerate(ops) if op.log is not None]
+        reads = [i for i, op in enumerate(ops) if op.reads_home]
         indices = [op.index for op in ops]
         consecutive = indices == list(range(indices[0], indices[0] + len(indices))) if indices else False
         self._layout = _Layout(slice(indices[0], indices[-1] + 1) if consecutive
@@ -640,8 +655,8 @@ class ControlPlane:
         step, self._unqueued = self._unqueued, None
         if step is None:
             return
-        for area, entries in step.reads:
-            area.queue(entries, step.positions)
+        for area, owner in step.reads:
+            area.queue(owner, step.positions)
         self._copies_home.mark()
 
     def drain(self) -> None:

@@ -5,12 +5,14 @@ device buffer [max_tokens, width] that the read ops installed together share, to
 the next step is prepared the control plane queues the copy home of the finished step's rows of
 each area: ONE copy per area and step, whatever the number of read ops (every copy is a CUDA call
 the host makes each step: 17-25 us each in an engine on the H200, docs/benchmarks.md, session
-18). The copy lands in a pinned slot (stream ordered, non-blocking), and each op's columns move
-into its `ReadLog` (plain host chunks) when the slot comes round again, steps later: its copy is
-done by then (`HomeCopies`). A request's values are gathered from the logs once, when taken.
+18). The copy lands in a pinned slot (stream ordered, non-blocking), and its rows, every op's
+columns at once, move into the area's `ReadLog` (plain host chunks, each row tagged with its
+position and, per op, its request) when the slot comes round again, steps later: its copy is done
+by then (`HomeCopies`). A request's values are gathered from the log once, when taken.
 
-Per step that is one copy per area, one event record, and numpy copies on the host: no Python
-object per request, step or token stays behind (the garbage collector has nothing to walk).
+Per step that is one copy per area, one event record, and three numpy copies on the host (the
+values, the positions, the owners): no Python object per request, step or token stays behind
+(the garbage collector has nothing to walk).
 """
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -76,22 +78,23 @@ class HomeCopies:
 
 @dataclass(eq=False)
 class _Chunk:
-    values: torch.Tensor  # [rows, width], the read's dtype
+    values: torch.Tensor  # [rows, width]: an area's columns, the reads' dtype
     values_np: np.ndarray  # the same memory as numpy sees it (_as_numpy)
     positions: np.ndarray  # [rows] int64
-    owner: np.ndarray  # [rows] int64: the number of the request each row belongs to; -1: nobody's
+    owner: np.ndarray  # [rows, ops] int64: per op of the area, the number of the request the row is of; -1: nobody's
     used: int = 0
 
 
 class ReadLog:
-    """One read op's values of every step, on the host, until their requests take them.
+    """An area's values of every step, on the host, until their requests take them.
 
-    Rows are appended a step at a time (moved from an area's landing slot), each tagged with the
-    number of the request its token belongs to and its position. Requests' rows are found by one
-    lookup of their numbers over the tags when they are taken, those finishing together at once
-    (`take`). When the log needs a chunk it first recycles its oldest ones whose rows are all
-    nobody's or of requests no longer alive, so memory follows the reads not yet taken; a new chunk
-    is made ahead, on a helper thread (`_make_ahead`).
+    Rows are appended a step at a time (moved from an area's landing slot, every op's columns at
+    once), each tagged with its position and, per read op of the area, the number of the request
+    its token belongs to (-1 where the op was off). Requests' rows are found by one lookup of their
+    numbers over an op's tags when they are taken, those finishing together at once (`take`). When
+    the log needs a chunk it first recycles its oldest ones whose rows are all nobody's or of
+    requests no longer alive, so memory follows the reads not yet taken; a new chunk is made ahead,
+    on a helper thread (`_make_ahead`).
 
     The chunks are plain host memory: pinning memory is a driver call, and each pinned chunk made
     while the engine ran cost a step in the tail: on the H200 a new 4 MiB chunk took 2.2 ms inline,
@@ -107,17 +110,17 @@ class ReadLog:
 
     RECYCLE_CHECKS = 4  # oldest chunks looked at when a chunk is needed
 
-    def __init__(self, width: int, dtype: torch.dtype, alive, chunk_rows: int | None = None):
-        self.width, self.dtype, self.alive = width, dtype, alive  # alive(): numbers of the requests alive
+    def __init__(self, width: int, ops: int, dtype: torch.dtype, alive, chunk_rows: int | None = None):
+        self.width, self.ops, self.dtype, self.alive = width, ops, dtype, alive  # alive(): numbers of the requests alive
         self.chunk_rows = chunk_rows or _rows_of(CHUNK_BYTES, dtype.itemsize * width)
         self.chunks: list[_Chunk] = []  # in the order they were filled (a recycled chunk goes last)
         self.chunks_made = 0  # a bench field: new chunks are the log's only allocations
         self._spare = _make_ahead(self._new_chunk)  # the next new chunk, made ahead
 
     def append(self, values: np.ndarray, positions: np.ndarray, owner: np.ndarray) -> None:
-        """A step's rows: values [n, width] as `_as_numpy` sees them, each token's position and
-        request number (-1: nobody's)."""
-        done, n = 0, len(owner)
+        """A step's rows: values [n, width] as `_as_numpy` sees them, each row's position and per op
+        its request's number (owner [n, ops], -1: nobody's)."""
+        done, n = 0, len(positions)
         while done < n:
             chunk = self.chunks[-1] if self.chunks and self.chunks[-1].used < self.chunk_rows else self._next_chunk()
             k = min(n - done, self.chunk_rows - chunk.used)
@@ -150,27 +153,28 @@ class ReadLog:
         values_np = _as_numpy(values)
         values_np.fill(0)
         return _Chunk(values, values_np, np.full(self.chunk_rows, 0, dtype=np.int64),
-                      np.full(self.chunk_rows, -1, dtype=np.int64))
+                      np.full((self.chunk_rows, self.ops), -1, dtype=np.int64))
 
-    def take(self, numbers: list[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        """Requests' (positions [n], values [n, width]) by position, the latest value of a position
-        computed twice; their rows are then nobody's. One pass over the log for all of them (a
-        pass's or an API request's requests finish together): a request's rows are found by one
-        lookup over the tags, not by one comparison over the log per request. Requests with no
-        rows are left out. Rows still in a landing slot are not here: the caller drains first."""
+    def take(self, numbers: list[int], op: int, columns: slice) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """Requests' (positions [n], values [n, width of `columns`]) of op number `op` by position,
+        the latest value of a position computed twice; their rows are then nobody's for that op.
+        One pass over the log for all of them (a pass's or an API request's requests finish
+        together): a request's rows are found by one lookup over the tags, not by one comparison
+        over the log per request. Requests with no rows are left out. The copies into the log must
+        be done (`HomeCopies.wait_all`)."""
         wanted = np.asarray(numbers, dtype=np.int64)
         if not self.chunks or not len(wanted):
             return {}
         owners, positions, chunk_of, rows = [], [], [], []
         for c, chunk in enumerate(self.chunks):  # in fill order: later rows are later steps
-            tags = chunk.owner[:chunk.used]
+            tags = chunk.owner[:chunk.used, op]
             found = np.flatnonzero(np.isin(tags, wanted, kind="table"))
             if len(found):
                 owners.append(tags[found])
                 positions.append(chunk.positions[found])
                 chunk_of.append(np.full(len(found), c))
                 rows.append(found)
-                chunk.owner[found] = -1
+                chunk.owner[found, op] = -1
         if not owners:
             return {}
         owners, positions = np.concatenate(owners), np.concatenate(positions)
@@ -180,25 +184,41 @@ class ReadLog:
         kept = order[last]  # each (request, position)'s last row, by request and position
         owners, positions = owners[last], positions[last]
         chunk_of, rows = np.concatenate(chunk_of)[kept], np.concatenate(rows)[kept]
-        values = self._gather(chunk_of, rows)
+        values = self._gather(chunk_of, rows, columns)
         starts = np.flatnonzero(np.append(True, owners[1:] != owners[:-1]))
         bounds = np.append(starts, len(owners))
         return {int(owners[a]): (torch.from_numpy(positions[a:b]), values[a:b])
                 for a, b in zip(bounds[:-1], bounds[1:])}
 
-    def _gather(self, chunk_of: np.ndarray, rows: np.ndarray) -> torch.Tensor:
-        """The values of rows[i] of chunk chunk_of[i], in that order: one copy from a single chunk,
-        else one per chunk. index_select and index_copy_, not advanced indexing: for 64 rows 7 us
-        either way, against 13 us on an idle 2-core host and 5 ms on a busy one (torch's intra-op
-        threads)."""
+    def _gather(self, chunk_of: np.ndarray, rows: np.ndarray, columns: slice) -> torch.Tensor:
+        """The values in `columns` of rows[i] of chunk chunk_of[i], in that order: one copy from a
+        single chunk, else one per chunk. index_select and index_copy_, not advanced indexing: for
+        64 rows 7 us either way, against 13 us on an idle 2-core host and 5 ms on a busy one
+        (torch's intra-op threads)."""
         if (chunk_of == chunk_of[0]).all():
-            return self.chunks[chunk_of[0]].values.index_select(0, torch.from_numpy(rows))
-        values = torch.empty(len(rows), self.width, dtype=self.dtype)
+            return self.chunks[chunk_of[0]].values[:, columns].index_select(0, torch.from_numpy(rows))
+        values = torch.empty(len(rows), columns.stop - columns.start, dtype=self.dtype)
         for c in np.unique(chunk_of):
             at = np.flatnonzero(chunk_of == c)
-            from_chunk = self.chunks[c].values.index_select(0, torch.from_numpy(rows[at]))
+            from_chunk = self.chunks[c].values[:, columns].index_select(0, torch.from_numpy(rows[at]))
             values.index_copy_(0, torch.from_numpy(at), from_chunk)
         return values
+
+    def absorb(self, old: "ReadLog", moves: list[tuple[int, slice, int, slice]]) -> None:
+        """The rows of another log (an area's before it was made again wider), for the ops that
+        moves name: (op there, its columns there, op here, its columns here). Rows nobody there
+        still owns are left behind. The old log's copies must be done."""
+        ops_there = [m[0] for m in moves]
+        for chunk in old.chunks:
+            kept = np.flatnonzero((chunk.owner[:chunk.used, ops_there] >= 0).any(axis=1))
+            if not len(kept):
+                continue
+            values = np.zeros((len(kept), self.width), dtype=chunk.values_np.dtype)
+            owner = np.full((len(kept), self.ops), -1, dtype=np.int64)
+            for op_there, columns_there, op_here, columns_here in moves:
+                values[:, columns_here] = chunk.values_np[kept, columns_there]
+                owner[:, op_here] = chunk.owner[kept, op_there]
+            self.append(values, chunk.positions[kept], owner)
 
     def clear(self) -> None:
         for chunk in self.chunks:
@@ -209,20 +229,23 @@ class ReadArea:
     """The step values of read ops side by side on the device: [max_tokens, width], token-major,
     each op's `columns` its step values (a view: the kernels take a row stride). A step's rows of
     every op in the area go home in one copy, into the next of LANDING_SLOTS pinned slots, and
-    move into the ops' logs when the slot comes round again (oldest slot first, so a log's rows
-    stay in step order). A step of more rows than a slot holds goes in pieces, one slot each; one
-    that fills more than LANDING_SLOTS - 1 slots waits for its first pieces' copies.
+    move, all columns at once, into the area's log when the slot comes round again (oldest slot
+    first, so the log's rows stay in step order). A step of more rows than a slot holds goes in
+    pieces, one slot each; one that fills more than LANDING_SLOTS - 1 slots waits for its first
+    pieces' copies.
 
     Made for the read ops installed until a CUDA graph captures one of them (the control plane
-    makes the area again, wider, for each install before that); an install after that gets an
-    area of its own: the captured graphs write to this one's addresses."""
+    makes the area again, wider, for each install before that, and the new area's log absorbs the
+    old one's rows); an install after that gets an area of its own: the captured graphs write to
+    this one's addresses."""
 
     def __init__(self, widths: list[int], max_tokens: int, dtype: torch.dtype, device: torch.device,
-                 copies: HomeCopies | None):
+                 copies: HomeCopies | None, alive=None):
         starts = np.cumsum([0, *widths]).tolist()
         self.columns = [slice(a, b) for a, b in zip(starts, starts[1:])]  # per op, in the order of `widths`
         self.values = torch.zeros(max_tokens, starts[-1], dtype=dtype, device=device)
         self.copies = copies  # None: nothing goes home (a TP rank other than 0)
+        self.log = None if copies is None else ReadLog(starts[-1], len(widths), dtype, alive)
         if copies is None:
             return
         self.slot_rows = min(max_tokens, _rows_of(CHUNK_BYTES, dtype.itemsize * starts[-1]))
@@ -234,22 +257,22 @@ class ReadArea:
         self._moves: list[tuple | None] = [None] * LANDING_SLOTS  # per slot: what to move once its copy is done
         self._turns = 0  # slots used so far: the next is turns % LANDING_SLOTS, the oldest copy
 
-    def queue(self, entries: list[tuple], positions: np.ndarray) -> None:
+    def queue(self, owner: np.ndarray, positions: np.ndarray) -> None:
         """Queue the copy home of a step's first len(positions) rows (stream ordered: they are the
-        step's once it is done) and, for each (log, columns, owner) of `entries`, their move into
-        the log; `owner` [rows]: each token's request number there, -1 where the op was off."""
+        step's once it is done) and their move into the log, tagged with `positions` and `owner`
+        [rows, ops]: each token's request number per op, -1 where the op was off."""
         n = len(positions)
         for first in range(0, n, self.slot_rows):
             rows = min(self.slot_rows, n - first)
             slot = self._turns % LANDING_SLOTS
             self._turns += 1
-            self._move(slot)  # the slot's last copy, into the logs first
+            self._move(slot)  # the slot's last copy, into the log first
             kept_first, kept_rows, copy = self._copies[slot]
             if (kept_first, kept_rows) != (first, rows):
                 copy = self._copier(first, rows, slot)
                 self._copies[slot] = (first, rows, copy)
             copy()
-            self._moves[slot] = (first, rows, entries, positions, self.copies.marks)
+            self._moves[slot] = (first, rows, owner, positions, self.copies.marks)
 
     def _copier(self, first: int, rows: int, slot: int):
         """The copy of rows [first, first + rows) into the slot: on a GPU stream ordered and
@@ -266,17 +289,19 @@ class ReadArea:
         move, self._moves[slot] = self._moves[slot], None
         if move is None:
             return
-        first, rows, entries, positions, mark = move
+        first, rows, owner, positions, mark = move
         self.copies.wait(mark)
-        landed = self._landing_np[slot, :rows]
-        for log, columns, owner in entries:
-            log.append(landed[:, columns], positions[first:first + rows], owner[first:first + rows])
+        self.log.append(self._landing_np[slot, :rows], positions[first:first + rows], owner[first:first + rows])
 
     def settle(self) -> None:
-        """Every landed row into its log (waits for copies not done yet)."""
+        """Every landed row into the log (waits for copies not done yet)."""
         if self.copies is not None:
             for turn in range(self._turns, self._turns + LANDING_SLOTS):  # oldest first
                 self._move(turn % LANDING_SLOTS)
+
+    def take(self, numbers: list[int], op: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """Op number `op`'s values of these requests (ReadLog.take); the area settled first."""
+        return self.log.take(numbers, op, self.columns[op])
 
 
 def _rows_of(budget: int, row_bytes: int) -> int:

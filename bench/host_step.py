@@ -14,6 +14,11 @@ With --busy-thread a thread runs pure-Python work beside the steps, as vLLM's ow
 engine: each torch call in a step lets go of the GIL, and the step then waits until that thread
 gives it back (up to `sys.getswitchinterval()`, 5 ms by default) — a wait the wall time shows and
 the CPU time does not.
+
+With --evict-caches MIB each step is preceded (outside its timing) by writes through a buffer of
+that many MiB, larger than the host's caches: inside an engine the rest of a step's work (the
+scheduler, the output processing, on the CPU the forward itself) runs between two preparations and
+leaves their code and data out of the caches, which the steps here otherwise find warm.
 """
 import argparse
 import json
@@ -35,7 +40,8 @@ FIELDS = HOST_FIELDS + ("take_ms_per_request",)
 BUSY_THREAD = "host-step-busy"
 
 
-def measure(model, device: torch.device, requests: int, steps: int, request_steps: int) -> dict:
+def measure(model, device: torch.device, requests: int, steps: int, request_steps: int,
+            evict: np.ndarray | None = None) -> dict:
     """After a warm-up (the first batch of requests), the host ms per prepared step (wall and this
     thread's CPU time); and per finished request, the ms of taking its reads (a batch's requests
     taken together, as a pass's or an API request's are)."""
@@ -65,6 +71,8 @@ def measure(model, device: torch.device, requests: int, steps: int, request_step
             ids = [f"{step}-{r}" for r in range(requests)]
             for new in ids:
                 plane.select(new, names)
+        if evict is not None:
+            evict += 1  # every cache line of a buffer larger than the caches written
         plane.prepare_step(ids, query_start, requests, first_positions)
     return {**plane.host_time.ms_per_step(), "take_ms_per_request": 1e3 * statistics.fmean(take_seconds)}
 
@@ -87,6 +95,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--request-steps", type=int, default=128, help="steps a batch of requests lives")
     parser.add_argument("--dummy", action="store_true", help="load_format=dummy (a config folder, no weights)")
     parser.add_argument("--busy-thread", action="store_true", help="a thread of pure-Python work beside the steps")
+    parser.add_argument("--evict-caches", type=int, default=0, metavar="MIB",
+                        help="before each step, write through a buffer of this many MiB (the host's caches cold, as in an engine)")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     model = HookedServedModel.from_pretrained(args.model, enforce_eager=True, max_model_len=128,
@@ -96,12 +106,13 @@ def main(argv=None) -> dict:
                   "machine": {"platform": platform.platform(), "processor": platform.processor()},
                   "versions": {"torch": torch.__version__, "numpy": np.__version__},
                   "switch_interval_s": sys.getswitchinterval(), **{field: {} for field in FIELDS}}
+        evict = np.zeros(args.evict_caches << 17, dtype=np.int64) if args.evict_caches else None  # 8-byte words
         stop = threading.Event()
         if args.busy_thread:
             threading.Thread(target=busy_python, args=(stop,), name=BUSY_THREAD, daemon=True).start()
         try:
             for n in args.requests.split(","):
-                measured = measure(model, torch.device(args.device), int(n), args.steps, args.request_steps)
+                measured = measure(model, torch.device(args.device), int(n), args.steps, args.request_steps, evict)
                 for field in FIELDS:
                     result[field][n] = measured[field]
         finally:

@@ -219,11 +219,12 @@ def test_research_harness_runs_each_task_on_both_and_they_agree(tmp_path):
     assert set(generate["transformer_lens"]) == {generate["xmix_lens"]}  # prompt + new tokens, every batch
 
 
-@pytest.mark.parametrize("busy", [[], ["--busy-thread"]], ids=["alone", "busy_thread"])
+@pytest.mark.parametrize("busy", [[], ["--busy-thread"], ["--evict-caches", "4"]],
+                         ids=["alone", "busy_thread", "evict_caches"])
 def test_host_step_harness_times_prepare_step_with_requests_coming_and_going(busy):
     """bench/host_step.py at toy size: a time per step for each request count (wall and CPU, also
-    with a thread of Python work beside the steps), over batches of requests that finish (their
-    reads taken) and are replaced."""
+    with a thread of Python work beside the steps, and with the caches written over between steps),
+    over batches of requests that finish (their reads taken) and are replaced."""
     import threading
 
     from bench import host_step

@@ -160,8 +160,8 @@ class ReadLog:
         the latest value of a position computed twice; their rows are then nobody's for that op.
         One pass over the log for all of them (a pass's or an API request's requests finish
         together): a request's rows are found by one lookup over the tags, not by one comparison
-        over the log per request. Requests with no rows are left out. The copies into the log must
-        be done (`HomeCopies.wait_all`)."""
+        over the log per request. Requests with no rows are left out. Rows still in a landing slot
+        are not here: the caller drains first."""
         wanted = np.asarray(numbers, dtype=np.int64)
         if not self.chunks or not len(wanted):
             return {}

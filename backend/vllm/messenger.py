@@ -240,7 +240,7 @@ class ReadArea:
     this one's addresses."""
 
     def __init__(self, widths: list[int], max_tokens: int, dtype: torch.dtype, device: torch.device,
-                 copies: HomeCopies | None, alive=None):
+                 copies: HomeCopies | None, alive):
         starts = np.cumsum([0, *widths]).tolist()
         self.columns = [slice(a, b) for a, b in zip(starts, starts[1:])]  # per op, in the order of `widths`
         self.values = torch.zeros(max_tokens, starts[-1], dtype=dtype, device=device)

@@ -352,7 +352,7 @@ def summarise(runs: dict) -> dict:
             row[m] = {"median": med, "min": min(values), "max": max(values), "ratio_to_native": ratio,
                       "paired_ratio": paired, "noise": noise, "within_noise": abs(ratio - 1) <= noise}
         for field in HOST_FIELDS:
-            host = [r[field] for r in repeats if field in r]
+            host = [r[field] for r in repeats if r.get(field) is not None]
             if host:
                 row[field] = {"median": statistics.median(host), "max": max(host)}
         summary[mode] = row

@@ -65,6 +65,8 @@ def test_harness_runs_every_mode_and_the_modes_do_what_they_claim(tmp_path):
         assert all(r["host_ms_max_decode_step"] >= r["host_ms_per_decode_step"] >= r["host_ms_home_per_decode_step"]
                    for r in decode["runs"][mode]), mode
         assert (mode != "seven") or all(r["host_ms_home_per_decode_step"] > 0 for r in decode["runs"][mode])  # reads
+        # whether the GPU was busy at a step's launch: asked of the copies' events, which the CPU has not
+        assert all(r["decode_launched_gpu_busy"] is None for r in decode["runs"][mode]), mode
     for mode in serving.MODES:  # each run's slowest decode steps, slowest first, inside the window
         for r in decode["runs"][mode]:
             ms = [gap for _, gap, _ in r["slowest_decode_steps"]]

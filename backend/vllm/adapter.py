@@ -138,8 +138,9 @@ def platform_kernels_when_uncompiled(model) -> list[str]:
 
 def _follow_request_choices(runner, runtime) -> None:
     """Before each step, the apps that newly scheduled requests chose in their `vllm_xargs`
-    (request_choice), and the requests that finished. `execute_model(scheduler_output)` is where
-    both of vLLM's runners take them; it is wrapped on the instance."""
+    (request_choice), and the requests that finished; after it, that the step's forward is queued
+    (ControlPlane.launched). `execute_model(scheduler_output)` is where both of vLLM's runners take
+    them and queue the forward; it is wrapped on the instance."""
     execute = runner.execute_model
 
     def execute_with_choices(scheduler_output, *args, **kwargs):
@@ -147,7 +148,9 @@ def _follow_request_choices(runner, runtime) -> None:
                                   len(r.prompt_token_ids or ())) for r in scheduler_output.scheduled_new_reqs],
                                 scheduler_output.finished_req_ids)
         _eager_steps_when_needed(runner, runtime)  # vLLM 0.26 makes its graph manager after the model
-        return execute(scheduler_output, *args, **kwargs)
+        output = execute(scheduler_output, *args, **kwargs)
+        runtime.control.launched()
+        return output
 
     runner.execute_model = execute_with_choices
 

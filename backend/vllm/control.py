@@ -138,8 +138,12 @@ class HostTime:
     time (their difference is time waited: for the GIL held by another thread, for the device, for
     the OS). And for decode steps alone (a token a request: most of a generation's steps, those
     whose host time a host-bound engine shows in its ITL; a prefill step's is prepared beside a
-    forward tens to hundreds of times longer): their wall time, their slowest, and the part spent
-    queueing the step before's reads home (the copies' CUDA calls, the moves on the host)."""
+    forward tens to hundreds of times longer): their wall time, their slowest, the part spent
+    queueing the step before's reads home (the copies' CUDA calls, the moves on the host), and how
+    many were launched while the GPU was still busy with the work queued before them: with vLLM's
+    async scheduling the host prepares a step while the GPU runs the one before, and a step queued
+    before the GPU ran out of work left it no gap, so the host time before its launch, ours
+    included, was hidden (`ControlPlane.launched`; on a GPU only)."""
 
     wall: float = 0.0
     cpu: float = 0.0
@@ -148,6 +152,8 @@ class HostTime:
     decode_steps: int = 0
     decode_max: float = 0.0  # the slowest decode step's (a step late in the host shows in P99 ITL)
     decode_home: float = 0.0  # of decode steps' wall time, queueing the step before's reads home
+    decode_launches: int = 0  # decode steps whose launch was checked (a GPU, reads queued home)
+    decode_launches_gpu_busy: int = 0  # of those, launched with the GPU still busy
 
     def add(self, wall: float, cpu: float, decode: bool, home: float = 0.0) -> None:
         self.wall += wall
@@ -159,13 +165,19 @@ class HostTime:
             self.decode_max = max(self.decode_max, wall)
             self.decode_home += home
 
+    def launched(self, gpu_busy: bool) -> None:
+        self.decode_launches += 1
+        self.decode_launches_gpu_busy += gpu_busy
+
     def ms_per_step(self) -> dict:
         decode_steps = max(self.decode_steps, 1)
+        launches = self.decode_launches
         return {"host_ms_per_step": 1e3 * self.wall / max(self.steps, 1),
                 "host_cpu_ms_per_step": 1e3 * self.cpu / max(self.steps, 1),
                 "host_ms_per_decode_step": 1e3 * self.decode_wall / decode_steps,
                 "host_ms_max_decode_step": 1e3 * self.decode_max,
-                "host_ms_home_per_decode_step": 1e3 * self.decode_home / decode_steps}
+                "host_ms_home_per_decode_step": 1e3 * self.decode_home / decode_steps,
+                "decode_launched_gpu_busy": self.decode_launches_gpu_busy / launches if launches else None}
 
 
 @dataclass
@@ -240,6 +252,7 @@ class ControlPlane:
         self._last_choices: _Choices | None = None
         self._choices_made = 0
         self.host_time = HostTime()  # in prepare_step (bench fields)
+        self._launch_mark: int | None = None  # the prepared decode step's mark, until its launch
         self._bit: dict[str, int] = {}  # app name -> its bit in the per-request masks
         self._request_bits: dict[str, int] = {}  # request id -> the bits of its selected apps
         self._default_bits = 0
@@ -495,11 +508,24 @@ class ControlPlane:
         if not self.ops:
             return
         started, cpu_started = time.perf_counter(), time.thread_time()
-        self._queue_home()
+        marked = self._queue_home()
         queued = time.perf_counter()
         self._prepare(req_ids, query_start, n_tokens, first_positions, n_padded)
+        decode = n_tokens == len(req_ids)
         self.host_time.add(time.perf_counter() - started, time.thread_time() - cpu_started,
-                           decode=n_tokens == len(req_ids), home=queued - started)
+                           decode=decode, home=queued - started)
+        # the mark is queued behind the step before's work and ahead of this step's forward
+        self._launch_mark = self._copies_home.marks - 1 if marked and decode else None
+
+    def launched(self) -> None:
+        """After the engine queued the prepared step's forward: whether the GPU had not yet reached
+        the step's mark, i.e. was still busy with the work before it (HostTime, a bench field). A
+        lower bound of the steps launched with no gap: asked after the launch, not at it."""
+        mark, self._launch_mark = self._launch_mark, None
+        if mark is not None:
+            busy = self._copies_home.pending(mark)
+            if busy is not None:
+                self.host_time.launched(busy)
 
     def _prepare(self, req_ids, query_start, n_tokens, first_positions, n_padded) -> None:
         n = len(req_ids)
@@ -649,15 +675,17 @@ class ControlPlane:
                     self.executor.renormalize(x, self.control[entry.index, ROWS, :T], weight, eps, out)
 
     # --- the messenger ----------------------------------------------------------------------------
-    def _queue_home(self) -> None:
+    def _queue_home(self) -> bool:
         """Queue the copy home of the prepared step's reads, one per area (its forward is on the
-        stream before anything that runs after it: stream ordered, the copy waits for it)."""
+        stream before anything that runs after it: stream ordered, the copy waits for it); whether
+        there were any (then marked)."""
         step, self._unqueued = self._unqueued, None
         if step is None:
-            return
+            return False
         for area, owner in step.reads:
             area.queue(owner, step.positions)
         self._copies_home.mark()
+        return True
 
     def drain(self) -> None:
         """Every read of the steps run so far in the read logs (before results are taken)."""

@@ -75,6 +75,12 @@ class HomeCopies:
     def wait_all(self) -> None:
         self.wait(self.marks - 1)
 
+    def pending(self, mark: int) -> bool | None:
+        """Whether the device has not yet reached mark number `mark` (None on the CPU: no events)."""
+        if self._events is None:
+            return None
+        return mark >= self.done and not self._events[mark % self.EVENTS].query()
+
 
 @dataclass(eq=False)
 class _Chunk:

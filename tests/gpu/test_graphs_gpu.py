@@ -22,6 +22,7 @@ import torch
 import xmix_lens  # noqa: F401  (its from_pretrained sets vLLM's environment for the in-process engine)
 from gpu_results import Results
 from xmix_lens import HookedServedModel
+from xmix_lens.backend.vllm.control import HostTime
 from xmix_lens.passes import PassPlan
 
 pytestmark = pytest.mark.gpu
@@ -118,7 +119,10 @@ def test_apps_run_inside_replayed_graphs_and_equal_per_call_hooks(engine):
     plain, _ = generate(model, [set()] * len(PROMPTS))
     eager_before = model.engine.runtime.eager_steps
     chosen = [{"steer", "gate", "zero_head", "probe"}, {"steer"}, {"probe"}]
+    control = model.engine.runtime.control
+    control.host_time = HostTime()
     with_apps, reads = generate(model, chosen)
+    launches, launched_busy = control.host_time.decode_launches, control.host_time.decode_launches_gpu_busy
     graph_replays = replays.take()
     eager_with_apps = model.engine.runtime.eager_steps - eager_before
 
@@ -140,12 +144,15 @@ def test_apps_run_inside_replayed_graphs_and_equal_per_call_hooks(engine):
     record("graphs", captures_before=captures, captures_after=counter.num_gpu_runner_capture_triggers,
            full_replays_and_piecewise_runs_with_apps=graph_replays, eager_steps_with_apps=eager_with_apps,
            eager_steps_per_call=eager_per_call, tokens_plain=plain, tokens_with_apps=with_apps,
-           tokens_per_call=per_call, probe_positions=probe_positions, prompt_lens=prompt_lens)
+           tokens_per_call=per_call, probe_positions=probe_positions, prompt_lens=prompt_lens,
+           decode_launches=launches, decode_launches_gpu_busy=launched_busy)
     assert eager_with_apps == 0 and graph_replays[0] > 0  # decode steps replayed FULL graphs
     assert eager_per_call > 0  # the per-call path did run without graphs
     assert with_apps == per_call
     assert with_apps[0] != plain[0] and with_apps[1] != plain[1]
     assert with_apps[2] == plain[2]  # a read changes nothing
+    # each decode step but the last queued its reads home, and its launch was checked against the GPU
+    assert launches >= NEW - 2 and 0 <= launched_busy <= launches
     for row in (0, 2):  # every prompt position and every generated one but the last
         assert probe_positions[row] == list(range(prompt_lens[row] + NEW - 1))
     assert counter.num_gpu_runner_capture_triggers == captures

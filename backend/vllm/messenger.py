@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from . import cudart
+
 CHUNK_BYTES = 4 << 20  # a read log's values come in chunks of about this size, an area's landing slots too
 LANDING_SLOTS = 8  # an area's pinned buffers that its copies home land in, in turn
 _chunk_maker: tuple[int, ThreadPoolExecutor] | None = None  # (its process, the thread making read logs' chunks)
@@ -39,8 +41,8 @@ class HomeCopies:
     every area's, are marked by one event recorded after the last of them (`mark`), and a landing
     slot's values are moved once a mark after their copy is done (`wait`). A wait is for a mark at
     least LAG steps old where the slot's own is older: one synchronize covers the moves of the
-    next steps too. So a steady step makes one event record and a fraction of a synchronize (each
-    torch call costs the host: see ReadLog). On the CPU the copies are done when made."""
+    next steps too. So a steady step makes one event record (through ctypes: `cudart`) and a
+    fraction of a synchronize. On the CPU the copies are done when made."""
 
     EVENTS = 16  # marks' events, recorded in turn
     LAG = 4  # a mark this many steps old is done in practice: vLLM prepares at most a step ahead of the GPU
@@ -48,6 +50,8 @@ class HomeCopies:
     def __init__(self, pin: bool):
         self.pinned = pin  # the landing slots pinned, the copies non-blocking
         self._events = [torch.cuda.Event() for _ in range(self.EVENTS)] if pin else None
+        self._records = [cudart.recorder(event) for event in self._events] if pin else None
+        self._queries = [cudart.querier(event) for event in self._events] if pin else None
         self.marks = 0  # marks made: copies queued now are covered by mark number `marks`
         self.done = 0  # the marks below this are known done
 
@@ -58,7 +62,7 @@ class HomeCopies:
             if oldest >= self.done:  # not known done: waited for (16 steps old, in practice done)
                 self._events[oldest % self.EVENTS].synchronize()
                 self.done = oldest + 1
-            self._events[self.marks % self.EVENTS].record()
+            self._records[self.marks % self.EVENTS]()
         self.marks += 1
 
     def wait(self, mark: int) -> None:
@@ -79,7 +83,7 @@ class HomeCopies:
         """Whether the device has not yet reached mark number `mark` (None on the CPU: no events)."""
         if self._events is None:
             return None
-        return mark >= self.done and not self._events[mark % self.EVENTS].query()
+        return mark >= self.done and not self._queries[mark % self.EVENTS]()
 
 
 @dataclass(eq=False)
@@ -282,14 +286,13 @@ class ReadArea:
 
     def _copier(self, first: int, rows: int, slot: int):
         """The copy of rows [first, first + rows) into the slot: on a GPU stream ordered and
-        non-blocking; on the CPU numpy's (torch's copy of more than 32,768 elements runs on its
-        intra-op threads, and with one of them kept waiting by another thread on the core, steps
-        stalled up to 7.7 ms: `bench/host_step.py` at 512 requests)."""
+        non-blocking, one runtime call (`cudart`); on the CPU numpy's (torch's copy of more than
+        32,768 elements runs on its intra-op threads, and with one of them kept waiting by another
+        thread on the core, steps stalled up to 7.7 ms: `bench/host_step.py` at 512 requests)."""
         if self.values.device.type == "cpu":
             source, target = _as_numpy(self.values)[first:first + rows], self._landing_np[slot, :rows]
             return lambda: np.copyto(target, source)
-        source, target = self.values[first:first + rows], self._landing[slot, :rows]
-        return lambda: target.copy_(source, non_blocking=self.copies.pinned)
+        return cudart.copy_home(self._landing[slot, :rows], self.values[first:first + rows])
 
     def _move(self, slot: int) -> None:
         move, self._moves[slot] = self._moves[slot], None

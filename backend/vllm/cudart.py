@@ -1,0 +1,74 @@
+"""A step's CUDA calls for its reads, made through ctypes: the copy home, the event record and query.
+
+Through torch each call walks the dispatcher and its checks, and in an engine the host's caches
+are cold when a step is prepared (the rest of the step ran between two preparations), so what a
+call costs is the code it walks. On the H200's host, with 64 MiB written between calls, torch's
+`copy_` of a step's rows took 54-119 us and `Event.record` 81-147 us, against 34-76 and 18-42 us
+for the same calls into the CUDA runtime (docs/benchmarks.md, session 21). The calls go to the
+runtime torch loaded, on torch's current stream, so they are ordered as torch's own would be.
+"""
+import ctypes
+import functools
+
+import torch
+
+DEVICE_TO_HOST = 2  # cudaMemcpyKind
+NOT_READY = 600  # cudaErrorNotReady: what cudaEventQuery returns for work not done yet
+
+
+@functools.cache
+def _runtime() -> ctypes.CDLL:
+    """The CUDA runtime library torch loaded (its streams and events are torch's)."""
+    with open("/proc/self/maps") as maps:
+        loaded = sorted({line.split()[-1] for line in maps if "libcudart.so" in line})
+    try:
+        runtime = ctypes.CDLL(loaded[0] if loaded else "libcudart.so.12")
+    except OSError as missing:
+        raise RuntimeError("xmix-lens: the CUDA runtime library (libcudart.so) that torch uses was not found; "
+                           "install torch's CUDA build, or put libcudart.so.12 on the library path") from missing
+    runtime.cudaMemcpyAsync.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    runtime.cudaEventRecord.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    runtime.cudaEventQuery.argtypes = [ctypes.c_void_p]
+    return runtime
+
+
+def _checked(call: str, status: int) -> None:
+    if status:
+        raise RuntimeError(f"xmix-lens: {call} failed with CUDA error {status}")
+
+
+def copy_home(target: torch.Tensor, source: torch.Tensor):
+    """A call queueing `target` <- `source` (a device tensor into pinned host memory, both
+    contiguous, of one size) on the current stream, non-blocking: as `target.copy_(source,
+    non_blocking=True)` would, for the addresses they have now."""
+    assert source.is_contiguous() and target.is_contiguous() and source.nbytes == target.nbytes
+    memcpy, current_stream = _runtime().cudaMemcpyAsync, torch._C._cuda_getCurrentRawStream
+    to, of, size, device = target.data_ptr(), source.data_ptr(), source.nbytes, source.device.index
+
+    def copy() -> None:
+        _checked("cudaMemcpyAsync", memcpy(to, of, size, DEVICE_TO_HOST, current_stream(device)))
+    return copy
+
+
+def recorder(event: torch.cuda.Event):
+    """A call recording `event` on the current stream, as `event.record()` would."""
+    event.record()  # torch makes the event's handle at its first record
+    record, current_stream = _runtime().cudaEventRecord, torch._C._cuda_getCurrentRawStream
+    handle, device = event.cuda_event, torch.cuda.current_device()
+
+    def record_now() -> None:
+        _checked("cudaEventRecord", record(handle, current_stream(device)))
+    return record_now
+
+
+def querier(event: torch.cuda.Event):
+    """A call answering whether the work before `event`'s last record is done, as `event.query()`
+    would (its handle made: see `recorder`)."""
+    query, handle = _runtime().cudaEventQuery, event.cuda_event
+
+    def done() -> bool:
+        status = query(handle)
+        if status != NOT_READY:
+            _checked("cudaEventQuery", status)
+        return status == 0
+    return done

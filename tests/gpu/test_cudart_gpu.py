@@ -1,0 +1,40 @@
+"""GPU only: the CUDA runtime calls a step's reads make through ctypes (backend/vllm/cudart.py)
+against torch's own: the copy home lands the same bytes, on the current stream, after the work
+queued before it; an event recorded and queried through them answers as torch's would.
+
+    XMIX_GPU_OUT=$OUT python3 -m pytest -q tests/gpu/test_cudart_gpu.py -o addopts=""
+"""
+import pytest
+import torch
+
+from gpu_results import Results
+from xmix_lens.backend.vllm import cudart
+
+pytestmark = pytest.mark.gpu
+RESULTS = Results("cudart_gpu.json")
+
+
+def test_the_copy_home_lands_the_rows_after_the_work_queued_before_it():
+    values = torch.randn(512, 66, device="cuda").to(torch.bfloat16)
+    landing = torch.zeros(300, 66, dtype=torch.bfloat16, pin_memory=True)
+    copy = cudart.copy_home(landing[:200], values[100:300])
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):  # the copy goes on whatever stream is current when it runs
+        torch.cuda._sleep(50_000_000)  # the device busy a while: the copy must wait for what follows
+        values[100:300] += 1
+        copy()
+        stream.synchronize()
+    assert torch.equal(landing[:200], values[100:300].cpu()) and not landing[200:].any()
+    RESULTS.record("copy_home", rows=200, equal=True)
+
+
+def test_an_event_recorded_and_queried_through_the_runtime_answers_as_torchs():
+    event = torch.cuda.Event()
+    record, done = cudart.recorder(event), cudart.querier(event)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of the device busy
+    record()
+    busy = (done(), event.query())
+    event.synchronize()
+    assert busy == (False, False) and done() and event.query()
+    RESULTS.record("event", busy_then=busy, done_after_synchronize=True)

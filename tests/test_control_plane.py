@@ -393,9 +393,7 @@ def test_home_copies_wait_for_each_mark_once_and_never_record_over_one_not_done(
         def synchronize(self):
             calls.append(("synchronize", self.index))
 
-    monkeypatch.setattr(messenger.torch.cuda, "Event", Event)
-    monkeypatch.setattr(messenger.cudart, "recorder", lambda event: event.record)  # the runtime calls, as torch's
-    monkeypatch.setattr(messenger.cudart, "querier", lambda event: None)
+    monkeypatch.setattr(messenger.cudart, "Event", Event)
     monkeypatch.setattr(messenger.HomeCopies, "EVENTS", 4)
     monkeypatch.setattr(messenger.HomeCopies, "LAG", 1)
     copies = messenger.HomeCopies(pin=True)

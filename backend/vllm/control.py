@@ -52,6 +52,7 @@ from xmix_lens.lowered import (AffineWrite, GeneratedRead, GeneratedWrite, Lower
                                named_tensors, op_digest, to_device)
 
 from ..executor import Executor
+from . import cudart
 from .messenger import HomeCopies, ReadArea
 from .sharding import Placed, on_site
 
@@ -228,7 +229,7 @@ class ControlPlane:
         self._landing = torch.empty(MAX_RESIDENT_OPS * 2 * self.max_tokens, dtype=torch.int32, device=self.device)
         self._staged_count = 0
         # made once and recorded again each time (no object per step)
-        self._staged_events = [torch.cuda.Event() for _ in range(STAGING_BUFFERS)] if pin else None
+        self._staged_events = [cudart.Event() for _ in range(STAGING_BUFFERS)] if pin else None
         # per staging buffer, the (rows, width, tokens) and layout of the step it last held
         self._staged_shape: list[tuple | None] = [None] * STAGING_BUFFERS
         self._staged_layout: list[_Layout | None] = [None] * STAGING_BUFFERS

@@ -1,4 +1,5 @@
-"""A step's CUDA calls for its reads, made through ctypes: the copy home, the event record and query.
+"""The CUDA calls a step makes for its reads, through ctypes: the copy home and its event's record,
+query and synchronize.
 
 Through torch each call walks the dispatcher and its checks, and in an engine the host's caches
 are cold when a step is prepared (the rest of the step ran between two preparations), so what a
@@ -29,6 +30,7 @@ def _runtime() -> ctypes.CDLL:
     runtime.cudaMemcpyAsync.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
     runtime.cudaEventRecord.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
     runtime.cudaEventQuery.argtypes = [ctypes.c_void_p]
+    runtime.cudaEventSynchronize.argtypes = [ctypes.c_void_p]
     return runtime
 
 
@@ -50,25 +52,28 @@ def copy_home(target: torch.Tensor, source: torch.Tensor):
     return copy
 
 
-def recorder(event: torch.cuda.Event):
-    """A call recording `event` on the current stream, as `event.record()` would."""
-    event.record()  # torch makes the event's handle at its first record
-    record, current_stream = _runtime().cudaEventRecord, torch._C._cuda_getCurrentRawStream
-    handle, device = event.cuda_event, torch.cuda.current_device()
+class Event:
+    """A CUDA event of the current device, as `torch.cuda.Event()`, its calls made directly."""
 
-    def record_now() -> None:
-        _checked("cudaEventRecord", record(handle, current_stream(device)))
-    return record_now
+    def __init__(self):
+        self._torch = torch.cuda.Event()  # owns the handle, which it makes at its first record
+        self._torch.record()
+        self._handle, self._device = self._torch.cuda_event, torch.cuda.current_device()
+        runtime = _runtime()
+        self._record, self._query, self._synchronize = (runtime.cudaEventRecord, runtime.cudaEventQuery,
+                                                        runtime.cudaEventSynchronize)
+        self._current_stream = torch._C._cuda_getCurrentRawStream
 
+    def record(self) -> None:
+        """On the current stream."""
+        _checked("cudaEventRecord", self._record(self._handle, self._current_stream(self._device)))
 
-def querier(event: torch.cuda.Event):
-    """A call answering whether the work before `event`'s last record is done, as `event.query()`
-    would (its handle made: see `recorder`)."""
-    query, handle = _runtime().cudaEventQuery, event.cuda_event
-
-    def done() -> bool:
-        status = query(handle)
+    def query(self) -> bool:
+        """Whether the work before the last record is done."""
+        status = self._query(self._handle)
         if status != NOT_READY:
             _checked("cudaEventQuery", status)
         return status == 0
-    return done
+
+    def synchronize(self) -> None:
+        _checked("cudaEventSynchronize", self._synchronize(self._handle))

@@ -41,17 +41,15 @@ class HomeCopies:
     every area's, are marked by one event recorded after the last of them (`mark`), and a landing
     slot's values are moved once a mark after their copy is done (`wait`). A wait is for a mark at
     least LAG steps old where the slot's own is older: one synchronize covers the moves of the
-    next steps too. So a steady step makes one event record (through ctypes: `cudart`) and a
-    fraction of a synchronize. On the CPU the copies are done when made."""
+    next steps too. So a steady step makes one event record and a fraction of a synchronize (each
+    straight to the CUDA runtime: `cudart`). On the CPU the copies are done when made."""
 
     EVENTS = 16  # marks' events, recorded in turn
     LAG = 4  # a mark this many steps old is done in practice: vLLM prepares at most a step ahead of the GPU
 
     def __init__(self, pin: bool):
         self.pinned = pin  # the landing slots pinned, the copies non-blocking
-        self._events = [torch.cuda.Event() for _ in range(self.EVENTS)] if pin else None
-        self._records = [cudart.recorder(event) for event in self._events] if pin else None
-        self._queries = [cudart.querier(event) for event in self._events] if pin else None
+        self._events = [cudart.Event() for _ in range(self.EVENTS)] if pin else None
         self.marks = 0  # marks made: copies queued now are covered by mark number `marks`
         self.done = 0  # the marks below this are known done
 
@@ -62,7 +60,7 @@ class HomeCopies:
             if oldest >= self.done:  # not known done: waited for (16 steps old, in practice done)
                 self._events[oldest % self.EVENTS].synchronize()
                 self.done = oldest + 1
-            self._records[self.marks % self.EVENTS]()
+            self._events[self.marks % self.EVENTS].record()
         self.marks += 1
 
     def wait(self, mark: int) -> None:
@@ -83,7 +81,7 @@ class HomeCopies:
         """Whether the device has not yet reached mark number `mark` (None on the CPU: no events)."""
         if self._events is None:
             return None
-        return mark >= self.done and not self._queries[mark % self.EVENTS]()
+        return mark >= self.done and not self._events[mark % self.EVENTS].query()
 
 
 @dataclass(eq=False)

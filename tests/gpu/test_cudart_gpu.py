@@ -28,13 +28,13 @@ def test_the_copy_home_lands_the_rows_after_the_work_queued_before_it():
     RESULTS.record("copy_home", rows=200, equal=True)
 
 
-def test_an_event_recorded_and_queried_through_the_runtime_answers_as_torchs():
-    event = torch.cuda.Event()
-    record, done = cudart.recorder(event), cudart.querier(event)
+def test_an_event_recorded_queried_and_waited_for_through_the_runtime_answers_as_torchs():
+    event, twin = cudart.Event(), torch.cuda.Event()
     torch.cuda.synchronize()
     torch.cuda._sleep(200_000_000)  # ~0.1 s of the device busy
-    record()
-    busy = (done(), event.query())
+    event.record(), twin.record()
+    busy = (event.query(), twin.query())
     event.synchronize()
-    assert busy == (False, False) and done() and event.query()
-    RESULTS.record("event", busy_then=busy, done_after_synchronize=True)
+    after = (event.query(), twin.query())
+    assert busy == (False, False) and after == (True, True)
+    RESULTS.record("event", busy_then=busy, after_synchronize=after)

@@ -3,10 +3,11 @@ query and synchronize.
 
 Through torch each call walks the dispatcher and its checks, and in an engine the host's caches
 are cold when a step is prepared (the rest of the step ran between two preparations), so what a
-call costs is the code it walks. On the H200's host, with 64 MiB written between calls, torch's
-`copy_` of a step's rows took 54-119 us and `Event.record` 81-147 us, against 34-76 and 18-42 us
-for the same calls into the CUDA runtime (docs/benchmarks.md, session 21). The calls go to the
-runtime torch loaded, on torch's current stream, so they are ordered as torch's own would be.
+call costs is the code it walks. On the H200's host, with 64 MiB written before each call,
+torch's `copy_` of a step's rows took 126-138 us, `Event.record` 68-72 and `Event.query` 13-14,
+against 25-27, 13-14 and 11 us for the same calls into the CUDA runtime (`bench/cuda_calls.py`,
+docs/benchmarks.md, session 21). The calls go to the runtime torch loaded, on torch's current
+stream, so they are ordered as torch's own would be.
 """
 import ctypes
 import functools
@@ -22,11 +23,11 @@ def _runtime() -> ctypes.CDLL:
     """The CUDA runtime library torch loaded (its streams and events are torch's)."""
     with open("/proc/self/maps") as maps:
         loaded = sorted({line.split()[-1] for line in maps if "libcudart.so" in line})
-    try:
-        runtime = ctypes.CDLL(loaded[0] if loaded else "libcudart.so.12")
-    except OSError as missing:
-        raise RuntimeError("xmix-lens: the CUDA runtime library (libcudart.so) that torch uses was not found; "
-                           "install torch's CUDA build, or put libcudart.so.12 on the library path") from missing
+    if not loaded:
+        raise RuntimeError("xmix-lens: torch has not loaded a CUDA runtime library (libcudart.so), which the "
+                           "reads' copies home call; use a torch build for CUDA that links it dynamically (the "
+                           "pip wheels do)")
+    runtime = ctypes.CDLL(loaded[0])
     runtime.cudaMemcpyAsync.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
     runtime.cudaEventRecord.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
     runtime.cudaEventQuery.argtypes = [ctypes.c_void_p]

@@ -15,8 +15,10 @@ Each repeat draws fresh random prompt ids, the same for every mode, and runs the
 (A B C ... A B C ...), after one warm-up run of each. Per run: mean and P99 inter-token latency,
 mean time to first token, total token throughput (prompt + output tokens / wall time), and on the
 xmix-lens engines the control plane's host time per step (`host_ms_per_step`,
-ControlPlane.prepare_step; its CPU time, and the wall time per decode step alone: `HOST_FIELDS`) and
-the new host chunks its read logs made (`read_chunks_made`);
+ControlPlane.prepare_step; its CPU time, and the wall time per decode step alone: `HOST_FIELDS`),
+the share of decode steps whose forward was queued while the GPU was still busy with the step
+before (`decode_launched_gpu_busy`: their host time hidden; on a GPU, with reads) and the new host
+chunks its read logs made (`read_chunks_made`);
 and the mean and P99 ITL of the decode window (`decode_itl_ms`, `decode_p99_itl_ms`: gaps that start
 once every request has its first token, so that no step holds a prefill chunk, whose interleaving
 makes the whole run's ITL vary); the collector's pauses and what it tracked before the run, whose

@@ -461,13 +461,15 @@ def test_a_read_area_sends_a_steps_reads_of_every_op_home_in_one_copy(monkeypatc
         return real_copy(target, source)
 
     monkeypatch.setattr(messenger, "CHUNK_BYTES", 6 * 4 * 8)  # slots and chunks of 256 rows: the least there is
-    area = messenger.ReadArea([1, 3, 2], 600, torch.float32, torch.device("cpu"), messenger.HomeCopies(pin=False),
+    area = messenger.ReadArea([1, 3, 2], 3000, torch.float32, torch.device("cpu"), messenger.HomeCopies(pin=False),
                               alive=lambda: np.arange(4))
     assert area.slot_rows == area.log.chunk_rows == 256
     gen = torch.Generator().manual_seed(0)
     expected = [{} for _ in area.columns]
     monkeypatch.setattr(np, "copyto", counted_copy)
-    for step, n in enumerate([5, 300, 3, 3, 3, 520, 2] + [4] * 10):  # two steps in pieces
+    # steps in pieces, the last in more than there are landing slots (its first pieces move before
+    # their slots take its last ones)
+    for step, n in enumerate([5, 300, 3, 3, 3, 520, 2] + [4] * 10 + [2600]):
         values = torch.randn(n, 6, generator=gen)
         area.values[:n] = values  # what the step's launches write, each op into its columns
         positions = np.arange(n, dtype=np.int64) + step
@@ -480,9 +482,9 @@ def test_a_read_area_sends_a_steps_reads_of_every_op_home_in_one_copy(monkeypatc
                 if owners[t, i] >= 0:
                     expected[i].setdefault(int(owners[t, i]), {})[step + t] = values[t, columns]
     monkeypatch.undo()
-    assert copies == [5, 256, 44, 3, 3, 3, 256, 256, 8, 2] + [4] * 10  # one per step and slot-long piece
+    assert copies == [5, 256, 44, 3, 3, 3, 256, 256, 8, 2] + [4] * 10 + [256] * 10 + [40]  # one per step and slot-long piece
     area.settle()
-    assert len(area.log.chunks) == 4  # 876 rows
+    assert len(area.log.chunks) == 14  # 3,476 rows
     for i in range(len(area.columns)):
         taken = area.take([0, 1, 2, 3], i)
         assert sorted(taken) == sorted(expected[i])

@@ -301,7 +301,7 @@ def timed_run(engines, app_names, mode, prompts, out_len) -> dict:
     the wall time of decode steps alone)."""
     control = control_plane(engines, mode)
     if control is not None:
-        control.host_time = HostTime()
+        control.host_time = HostTime(check_launches=True)
         chunks_before = read_chunks_made(control)
     run = run_once(set_mode(engines, app_names, mode), prompts, out_len)
     if control is not None:

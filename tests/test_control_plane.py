@@ -547,6 +547,40 @@ def test_uninstalling_a_reading_app_before_its_last_step_goes_home_is_safe(serve
     assert new.area is not old.area and new.area.take([number], new.area_op) == {}
 
 
+def test_a_decode_steps_launch_is_checked_against_its_mark_only_when_the_host_time_asks(served, monkeypatch):
+    """`decode_launched_gpu_busy` (ControlPlane.launched): after the engine queued a decode step that
+    sent reads home, the step's mark (recorded ahead of its forward) is asked whether the device has
+    reached it, and the step counted busy if not; prefill steps and steps with nothing marked are
+    not asked, and nothing is asked unless the host time checks launches (a serving engine's does
+    not: an event query a step). The device's answers are scripted: the CPU has no events."""
+    from xmix_lens.backend.vllm.control import ControlPlane, HostTime
+
+    model = served[MODEL]
+    runtime = model.engine.runtime
+    w = vector(model.cfg.d_model, 7)
+    plane = ControlPlane(torch.device("cpu"), 64)
+    kept = {}
+    lowered = model._lower_app("probe", [("blocks.1.hook_resid_post", lambda act, hook: kept.update(s=act @ w))])
+    plane.install("probe", runtime._place_all(lowered.ops, resident=True))
+    plane.select("r0", ["probe"])
+    asked, answers = [], [True, False, True]
+    monkeypatch.setattr(plane._copies_home, "pending", lambda mark: asked.append(mark) or answers.pop(0))
+
+    def step(tokens, first_position):
+        plane.prepare_step(["r0"], [0, tokens], tokens, [first_position])
+        plane.launched()
+
+    step(3, 0)  # prefill: nothing of the step before to send home
+    step(1, 3)  # decode: the prefill's reads go home, marked; not asked (not checking)
+    assert asked == [] and plane.host_time.ms_per_step()["decode_launched_gpu_busy"] is None
+    plane.host_time = HostTime(check_launches=True)
+    step(1, 4), step(1, 5), step(1, 6)
+    step(4, 7)  # a prefill-sized step (4 tokens for one request): marked, not asked
+    marks = plane._copies_home.marks
+    assert asked == [marks - 4, marks - 3, marks - 2]  # each decode step's own, the newest at its launch
+    assert plane.host_time.decode_launches == 3 and plane.host_time.ms_per_step()["decode_launched_gpu_busy"] == 2 / 3
+
+
 def test_read_apps_installed_before_a_capture_share_one_area(served):
     """Read apps installed one by one before any CUDA graph captures their ops share one area (made
     again, wider, at each install: the reads of the step already run go home first); an app

@@ -144,7 +144,10 @@ class HostTime:
     many were launched while the GPU was still busy with the work queued before them: with vLLM's
     async scheduling the host prepares a step while the GPU runs the one before, and a step queued
     before the GPU ran out of work left it no gap, so the host time before its launch, ours
-    included, was hidden (`ControlPlane.launched`; on a GPU only)."""
+    included, was hidden (`ControlPlane.launched`; on a GPU only, and only where `check_launches`:
+    an event query a step, which a serving engine need not make)."""
+
+    check_launches: bool = False
 
     wall: float = 0.0
     cpu: float = 0.0
@@ -516,7 +519,7 @@ class ControlPlane:
         self.host_time.add(time.perf_counter() - started, time.thread_time() - cpu_started,
                            decode=decode, home=queued - started)
         # the mark is queued behind the step before's work and ahead of this step's forward
-        self._launch_mark = self._copies_home.marks - 1 if marked and decode else None
+        self._launch_mark = self._copies_home.marks - 1 if marked and decode and self.host_time.check_launches else None
 
     def launched(self) -> None:
         """After the engine queued the prepared step's forward: whether the GPU had not yet reached

@@ -120,7 +120,7 @@ def test_apps_run_inside_replayed_graphs_and_equal_per_call_hooks(engine):
     eager_before = model.engine.runtime.eager_steps
     chosen = [{"steer", "gate", "zero_head", "probe"}, {"steer"}, {"probe"}]
     control = model.engine.runtime.control
-    control.host_time = HostTime()
+    control.host_time = HostTime(check_launches=True)
     with_apps, reads = generate(model, chosen)
     launches, launched_busy = control.host_time.decode_launches, control.host_time.decode_launches_gpu_busy
     graph_replays = replays.take()

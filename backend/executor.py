@@ -20,13 +20,11 @@ class Kernels(NamedTuple):
     gather_rows: object
     project_read: object
     run_program: object
-    rms_norm_rows: object
 
 
-TRITON = Kernels(kernels.affine_write, kernels.gather_rows, kernels.project_read, kernels.run_program,
-                 kernels.rms_norm_rows)
+TRITON = Kernels(kernels.affine_write, kernels.gather_rows, kernels.project_read, kernels.run_program)
 TORCH = Kernels(kernels.affine_write_torch, kernels.gather_rows_torch, kernels.project_read_torch,
-                kernels.run_program_torch, kernels.rms_norm_rows_torch)
+                kernels.run_program_torch)
 
 
 class Executor:
@@ -38,17 +36,21 @@ class Executor:
         self.zeros = torch.zeros(max_tokens, dtype=torch.int32, device=device)
 
     def run(self, op: LoweredOp, x: torch.Tensor, rows: torch.Tensor, table_index: torch.Tensor | None = None,
-            out: torch.Tensor | None = None, dest: torch.Tensor | None = None) -> None:
+            out: torch.Tensor | None = None, dest: torch.Tensor | None = None,
+            renorm: kernels.Renorm | None = None) -> None:
         """Run `op` on x's rows (int32, -1 skipped). `table_index`: each row's index into per-token
-        tables ([B, P, ...] flattened), for ops that have them. Reads write `out[dest]`."""
+        tables ([B, P, ...] flattened), for ops that have them. Reads write `out[dest]`. `renorm`: at a
+        residual site, the norm's output after it, whose rows a write makes again (a read ignores it)."""
         k, zeros = self.kernels, self.zeros[: rows.numel()]
         if isinstance(op, AffineWrite):
             if op.per_token_bias:
                 k.affine_write(x, rows, op.scale[None], zeros, op.bias.reshape(-1, op.bias.shape[-1]), table_index,
-                               op.U, op.V)
+                               op.U, op.V, renorm)
             else:
-                k.affine_write(x, rows, op.scale[None], zeros, op.bias[None], zeros, op.U, op.V)
-        elif isinstance(op, (GeneratedWrite, GeneratedRead)):
+                k.affine_write(x, rows, op.scale[None], zeros, op.bias[None], zeros, op.U, op.V, renorm)
+        elif isinstance(op, GeneratedWrite):
+            k.run_program(x, rows, op.program, zeros if table_index is None else table_index, renorm=renorm)
+        elif isinstance(op, GeneratedRead):
             k.run_program(x, rows, op.program, zeros if table_index is None else table_index, out, dest)
         elif op.W is None:
             k.gather_rows(x, rows, out, dest)
@@ -58,8 +60,3 @@ class Executor:
             k.project_read(x, rows, op.W, op.bias if shared else torch.zeros(width, device=x.device), out, dest)
             if op.bias is not None and not shared:  # a per-token bias, added where it is known
                 out[dest.long()] += op.bias.reshape(-1, width)[table_index.long()]
-
-    def renormalize(self, x: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, eps: float,
-                    out: torch.Tensor) -> None:
-        """out's rows (int32, -1 skipped) made again as the RMSNorm of x's (after a write changed x)."""
-        self.kernels.rms_norm_rows(x, rows, weight, eps, out)

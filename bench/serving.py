@@ -44,7 +44,7 @@ from types import SimpleNamespace
 import torch
 
 from bench import write_result
-from bench.kernels import resident_kernel_times
+from bench.kernels import renormalized_sites, resident_kernel_times
 from xmix_lens import App
 from xmix_lens.backend.vllm.control import HostTime
 from xmix_lens.model import IN_PROCESS_ENVIRONMENT
@@ -503,9 +503,11 @@ def main(argv=None) -> dict:
                                    for name, engine in engines.items()}}
     gen = torch.Generator().manual_seed(1234)
     if args.profile and "production" in engines:  # each op's kernel at each workload's decode batch
+        production = engines["production"]
+        runtime = production.engine.runtime
         result["kernel_floors"] = resident_kernel_times(
-            control_plane(engines, "seven"), getattr(torch, args.dtype),
-            [table[w][0] for w in args.workloads.split(",")])
+            runtime.control, getattr(torch, args.dtype), [table[w][0] for w in args.workloads.split(",")],
+            renormalized_sites(runtime.family, production.cfg.n_layers, runtime.site_id))
         write_result(result, args.out)
     for workload in args.workloads.split(","):
         n, in_len, out_len = table[workload]

@@ -15,12 +15,12 @@ else:
     from .program_kernel import generate_kernel, run_program
     from .program_torch import run_program_torch
     from .project_read import project_read, project_read_torch
-    from .rms_norm_rows import rms_norm_rows, rms_norm_rows_torch
+    from .rms_norm_rows import Renorm, rms_norm_rows, rms_norm_rows_torch
 
     __all__ = [
         "affine_write", "affine_write_torch",
         "gather_rows", "gather_rows_torch",
         "generate_kernel", "run_program", "run_program_torch",
         "project_read", "project_read_torch",
-        "rms_norm_rows", "rms_norm_rows_torch",
+        "Renorm", "rms_norm_rows", "rms_norm_rows_torch",
     ]

@@ -20,13 +20,16 @@ The math is fp32; the result is cast to x's dtype.
 Two kernels: `affine_write_kernel` takes rows in blocks of 16 (the feature axis split over
 programs without a low-rank term; tl.dot for one of rank > 16), `affine_write_row_kernel` one row
 per program for ranks 1 to 16 (on an H200, projecting a direction out of 32 tokens of 4,096
-features: 4.0 us, bench/kernels.py).
+features: 4.0 us, bench/kernels.py), and for any rank up to 16 with a renorm (`Renorm`: a write
+at a residual site, whose rows the norm after it must normalise again; rms_norm_rows.py): a
+program that owns its row normalises it again in the same launch.
 """
 
 import triton
 import triton.language as tl
 
 from .program_format import NARROW_PRODUCT
+from .rms_norm_rows import Renorm, normalized_row, rms_norm_rows, rms_norm_rows_torch
 
 BLOCK_ROWS = 16  # tl.dot needs >= 16; more rows a program only slows decode steps (few rows)
 BLOCK_FEATURES = 128
@@ -95,10 +98,11 @@ def affine_write_kernel(
 def affine_write_row_kernel(
     x_ptr, x_row_stride, rows_ptr, F, K,
     scale_ptr, scale_idx_ptr, bias_ptr, bias_idx_ptr, u_ptr, v_ptr,
-    BLOCK_FEATURES: tl.constexpr, BLOCK_RANK: tl.constexpr,
+    weight_ptr, out_ptr, out_row_stride, eps,
+    BLOCK_FEATURES: tl.constexpr, BLOCK_RANK: tl.constexpr, HAS_LOW_RANK: tl.constexpr, RENORM: tl.constexpr,
 ):
-    # Program i owns rows[i] whole (a narrow low-rank term): it reads every feature of the row for
-    # x[r] @ U before it writes one, and nobody else touches the row.
+    # Program i owns rows[i] whole (a narrow low-rank term, or a renorm): it reads every feature of
+    # the row for x[r] @ U before it writes one, and nobody else touches the row.
     entry = tl.program_id(0)
     row = tl.load(rows_ptr + entry).to(tl.int64)
     live = row >= 0  # a row of -1 is a token this launch leaves alone: it reads nothing
@@ -110,27 +114,46 @@ def affine_write_row_kernel(
     rank_mask = ranks < K
 
     projection = tl.zeros((BLOCK_RANK,), dtype=tl.float32)
-    for f0 in range(0, F_live, BLOCK_FEATURES):
-        cols = f0 + features
-        x_row = tl.load(x_ptr + row * x_row_stride + cols, mask=cols < F, other=0.0).to(tl.float32)
-        u_block = tl.load(u_ptr + cols[:, None] * K + ranks[None, :],
-                          mask=(cols < F)[:, None] & rank_mask[None, :], other=0.0)
-        projection += tl.sum(x_row[:, None] * u_block, axis=0)
+    if HAS_LOW_RANK:
+        for f0 in range(0, F_live, BLOCK_FEATURES):
+            cols = f0 + features
+            x_row = tl.load(x_ptr + row * x_row_stride + cols, mask=cols < F, other=0.0).to(tl.float32)
+            u_block = tl.load(u_ptr + cols[:, None] * K + ranks[None, :],
+                              mask=(cols < F)[:, None] & rank_mask[None, :], other=0.0)
+            projection += tl.sum(x_row[:, None] * u_block, axis=0)
 
+    squares = tl.zeros((BLOCK_FEATURES,), dtype=tl.float32)  # of the written row, for the renorm
     for f0 in range(0, F_live, BLOCK_FEATURES):
         cols = f0 + features
         mask = cols < F
         x_row = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
         scale = tl.load(scale_ptr + scale_row * F + cols, mask=mask, other=0.0)
         bias = tl.load(bias_ptr + bias_row * F + cols, mask=mask, other=0.0)
-        v_block = tl.load(v_ptr + ranks[:, None] * F + cols[None, :], mask=rank_mask[:, None] & mask[None, :],
-                          other=0.0)
-        y = x_row * scale + bias + tl.sum(projection[:, None] * v_block, axis=0)
-        tl.store(x_ptr + row * x_row_stride + cols, y.to(x_ptr.dtype.element_ty), mask=mask)
+        y = x_row * scale + bias
+        if HAS_LOW_RANK:
+            v_block = tl.load(v_ptr + ranks[:, None] * F + cols[None, :],
+                              mask=rank_mask[:, None] & mask[None, :], other=0.0)
+            y += tl.sum(projection[:, None] * v_block, axis=0)
+        written = y.to(x_ptr.dtype.element_ty)
+        tl.store(x_ptr + row * x_row_stride + cols, written, mask=mask)
+        if RENORM:
+            squares += tl.where(mask, written.to(tl.float32) * written.to(tl.float32), 0.0)
+
+    if RENORM:  # the renorm template (rms_norm_rows.py) on the row just written, read back
+        tl.debug_barrier()  # every thread's stores are visible before any thread reads them
+        mean_square = tl.sum(squares, axis=0) / F
+        for f0 in range(0, F_live, BLOCK_FEATURES):
+            cols = f0 + features
+            mask = cols < F
+            x_row = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+            w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
+            y = normalized_row(x_row, mean_square, w, eps)
+            tl.store(out_ptr + row * out_row_stride + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def affine_write(x, rows, scale, scale_idx, bias, bias_idx, U, V) -> None:
-    """x[rows[i]] = x[rows[i]] * scale[scale_idx[i]] + bias[bias_idx[i]] + (x[rows[i]] @ U) @ V.
+def affine_write(x, rows, scale, scale_idx, bias, bias_idx, U, V, renorm: Renorm | None = None) -> None:
+    """x[rows[i]] = x[rows[i]] * scale[scale_idx[i]] + bias[bias_idx[i]] + (x[rows[i]] @ U) @ V; with
+    `renorm` (a write at a residual site), renorm.out's rows then made again as the RMSNorm of x's.
 
     In place; rows must be distinct (a repeated row could be read after being overwritten).
     Uniqueness is not checked here: checking would synchronise the device mid-forward.
@@ -143,12 +166,16 @@ def affine_write(x, rows, scale, scale_idx, bias, bias_idx, U, V) -> None:
     assert scale.is_contiguous() and bias.is_contiguous() and U.is_contiguous() and V.is_contiguous()
     if R == 0:
         return
-    if 0 < K <= NARROW_RANK:
-        rank = triton.next_power_of_2(K)
+    if K <= NARROW_RANK and (K > 0 or renorm is not None):
+        # whole rows a program: the renorm runs in the same launch (a row the program wrote itself)
+        rank = triton.next_power_of_2(max(K, 1))
         tile = min(triton.next_power_of_2(F), MAX_ROW_TILE, NARROW_PRODUCT // rank)
+        weight, eps, out = renorm if renorm is not None else (x, 0.0, x)  # x: unused pointers
+        assert renorm is None or (out.stride(1) == 1 and weight.shape == (F,) and out.shape[1] == F)
         affine_write_row_kernel[(R,)](
             x, x.stride(0), rows, F, K, scale, scale_idx, bias, bias_idx, U, V,
-            BLOCK_FEATURES=tile, BLOCK_RANK=rank,
+            weight, out, out.stride(0), eps,
+            BLOCK_FEATURES=tile, BLOCK_RANK=rank, HAS_LOW_RANK=K > 0, RENORM=renorm is not None,
         )
         return
     has_low_rank = K > 0
@@ -162,14 +189,18 @@ def affine_write(x, rows, scale, scale_idx, bias, bias_idx, U, V) -> None:
         BLOCK_ROWS=BLOCK_ROWS, BLOCK_FEATURES=BLOCK_FEATURES,
         BLOCK_RANK=max(16, triton.next_power_of_2(K)), HAS_LOW_RANK=has_low_rank,
     )
+    if renorm is not None:  # a wide low-rank term (rows in blocks): the renorm's own launch
+        rms_norm_rows(x, rows, *renorm)
 
 
-def affine_write_torch(x, rows, scale, scale_idx, bias, bias_idx, U, V) -> None:
+def affine_write_torch(x, rows, scale, scale_idx, bias, bias_idx, U, V, renorm: Renorm | None = None) -> None:
     """The same write in plain torch (what the CPU engine runs)."""
     live = rows >= 0
-    rows, scale_idx, bias_idx = rows[live], scale_idx[live], bias_idx[live]
-    x_rows = x[rows].float()
+    rows_live, scale_idx, bias_idx = rows[live], scale_idx[live], bias_idx[live]
+    x_rows = x[rows_live].float()
     y = x_rows * scale[scale_idx] + bias[bias_idx]
     if U.shape[1] > 0:
         y += (x_rows @ U) @ V
-    x[rows] = y.to(x.dtype)
+    x[rows_live] = y.to(x.dtype)
+    if renorm is not None:
+        rms_norm_rows_torch(x, rows, *renorm)

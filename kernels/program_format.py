@@ -96,6 +96,11 @@ class Plan:
     split: tuple = ()
     split_width: int = 0
 
+    @property
+    def writable(self) -> bool:
+        """Whether the result can be written back: of shape (F,), as the site's row."""
+        return self.ops[self.output][2] == (self.F,)
+
 
 def _broadcast(i, name, shapes):
     sizes = {s for s in shapes if s not in ((), (1,))}
@@ -204,7 +209,7 @@ def narrow_tile(width_in: int, n: int, block_rows: int) -> int:
     return max(1, min(triton.next_power_of_2(width_in), 1 << (max(widest, 1).bit_length() - 1)))
 
 
-def check_arguments(plan: Plan, x, rows, program, table_index, out, dest):
+def check_arguments(plan: Plan, x, rows, program, table_index, out, dest, renorm=None):
     """Checks a launch (the kernel's and the twin's alike); returns the consts and numbers it passes."""
     ops, program_consts, _ = program
     R = rows.numel()
@@ -215,12 +220,16 @@ def check_arguments(plan: Plan, x, rows, program, table_index, out, dest):
     if any(name == "table" for name, _, _ in plan.ops) and (
             table_index is None or table_index.dtype != torch.int32 or table_index.numel() != R):
         raise ValueError("a program with table ops needs table_index, int32 [R]")
-    if out is None and plan.ops[plan.output][2] != (plan.F,):
+    if out is None and not plan.writable:
         raise ValueError(f"a write's result has shape ({plan.F},), not {plan.ops[plan.output][2]}")
     if out is not None and (out.dim() != 2 or out.shape[1] != plan.widths[plan.output] or out.stride(1) != 1):
         raise ValueError(f"out must be [capacity, {plan.widths[plan.output]}] with contiguous rows")
     if out is not None and (dest is None or dest.dtype != torch.int32 or dest.numel() != R):
         raise ValueError("a read needs dest, int32 [R]")
+    if renorm is not None and (out is not None or renorm.weight.shape != (plan.F,)
+                               or renorm.out.shape[1:] != (plan.F,) or renorm.out.stride(1) != 1):
+        raise ValueError(f"a renorm goes with a write, its weight [{plan.F}] and its out [T, {plan.F}] "
+                         "with contiguous rows")
     consts = []
     for index, shape in plan.consts:
         const = program_consts[index]

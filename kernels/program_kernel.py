@@ -57,6 +57,8 @@ Contracts (shared with the torch twin):
                table [N, n] or, for (), [N] or [N, 1]
   out          [capacity, n] (n = 1 for a () result), rows contiguous, any float dtype
   dest         [R] int32, distinct slots in out
+  renorm       a write's, at a residual site (rms_norm_rows.Renorm): renorm.out's rows made again as
+               the RMSNorm of the rows the launch wrote, from the values it stored (the row is held)
 The math is fp32; the result is cast to the destination's dtype.
 
 Example: steering through a gate, x + relu(x . d) * v with F = 200, generates
@@ -64,8 +66,10 @@ Example: steering through a gate, x + relu(x . d) * v with F = 200, generates
     @triton.jit
     def program_kernel(
         x_ptr, x_row_stride, rows_ptr, R, table_index_ptr, out_ptr, out_row_stride, dest_ptr, scratch_ptr,
+        weight_ptr, eps,
         c0_ptr, c1_ptr,
         WRITE: tl.constexpr, BLOCK_ROWS: tl.constexpr, SCRATCH_WIDTH: tl.constexpr,
+        RENORM: tl.constexpr,
     ):
         lanes200 = tl.arange(0, 256)[None, :]
         in200 = lanes200 < 200
@@ -87,12 +91,20 @@ Example: steering through a gate, x + relu(x . d) * v with F = 200, generates
                 v6 = v4 * v5
                 v7 = v0 + v6
                 if WRITE:
-                    tl.store(x_ptr + rows * x_row_stride + lanes200, v7.to(x_ptr.dtype.element_ty), mask=live & in200)
+                    written = v7.to(x_ptr.dtype.element_ty)
+                    tl.store(x_ptr + rows * x_row_stride + lanes200, written, mask=live & in200)
+                    if RENORM:  # the renorm template (rms_norm_rows.py) on the rows just written, held here
+                        written = written.to(tl.float32)
+                        mean_square = tl.sum(tl.where(in200, written * written, 0.0), axis=1, keep_dims=True) / 200.0
+                        weight = tl.load(weight_ptr + lanes200, mask=in200, other=0.0)
+                        normalized = normalized_row(written, mean_square, weight, eps)
+                        tl.store(out_ptr + rows * out_row_stride + lanes200, normalized.to(out_ptr.dtype.element_ty), mask=live & in200)
                 else:
                     dest = tl.load(dest_ptr + entries, mask=live, other=0).to(tl.int64)
                     tl.store(out_ptr + dest * out_row_stride + lanes200, v7.to(out_ptr.dtype.element_ty), mask=live & in200)
 
-    (the file also lists the program in a header comment; tests check that this example is current).
+    (the file also lists the program in a header comment, and a write's kernel imports
+    `normalized_row` from rms_norm_rows.py; tests check that this example is current).
 """
 
 import logging
@@ -107,6 +119,7 @@ import triton
 
 from .program_format import MAX_TOPK, PROGRAMS_PER_SM, Plan, check_arguments, plan, structure
 from .program_source import Source, import_kernel
+from .rms_norm_rows import Renorm
 from .split_matmul import partial_products, split_count
 
 log = logging.getLogger(__name__)
@@ -128,11 +141,13 @@ class GeneratedKernel:
     fn: object  # its @triton.jit program_kernel
     seconds: float  # the time generating it took (writing and importing; Triton compiles at first launch)
 
-    def __call__(self, x, rows, program, table_index, out=None, dest=None, split_k: int | None = None) -> None:
-        """`split_k`: over how many programs to split the matmuls of x (split_matmul.py); by
-        default as many as fill the GPU, 1 on the CPU."""
+    def __call__(self, x, rows, program, table_index, out=None, dest=None, renorm: Renorm | None = None,
+                 split_k: int | None = None) -> None:
+        """`renorm`: a write's rows normalised again in the same launch (rms_norm_rows.py); `split_k`:
+        over how many programs to split the matmuls of x (split_matmul.py); by default as many as
+        fill the GPU, 1 on the CPU."""
         plan = self.plan
-        consts, numbers = check_arguments(plan, x, rows, program, table_index, out, dest)
+        consts, numbers = check_arguments(plan, x, rows, program, table_index, out, dest, renorm)
         for (i, _), number in zip(plan.numbers, numbers):
             if plan.ops[i][0] == "topk_mask" and number > MAX_TOPK:
                 raise NotImplementedError(f"op {i} (topk_mask): k = {number}; generated kernels take k <= {MAX_TOPK}")
@@ -155,11 +170,14 @@ class GeneratedKernel:
                     partial_products(x, rows, program[1][plan.ops[i][1][1]], partial, column)
             split = [partial, R * plan.split_width]
         write = out is None
+        target = renorm.out if renorm is not None else x if write else out  # a write's out: its renorm's
         self.fn[(programs,)](
             x, x.stride(0), rows, R, rows if table_index is None else table_index,
-            x if write else out, 0 if write else out.stride(0), rows if write else dest, scratch,
+            target, target.stride(0) if renorm is not None or not write else 0, rows if write else dest, scratch,
+            *([x, 0.0] if renorm is None else [renorm.weight, renorm.eps]) if plan.writable else [],
             *split, *consts, *numbers,
             WRITE=write, BLOCK_ROWS=plan.block_rows, SCRATCH_WIDTH=plan.scratch_width, num_warps=plan.num_warps,
+            **({"RENORM": renorm is not None} if plan.writable else {}),
             **({"SPLIT_K": S, "SPLIT_WIDTH": plan.split_width} if plan.split else {}),
         )
 
@@ -184,11 +202,12 @@ def generate_kernel(program, F: int) -> tuple[GeneratedKernel, float]:
     return kernel, seconds
 
 
-def run_program(x, rows, program, table_index, out=None, dest=None) -> None:
-    """x[rows[i]] = program(x[rows[i]]) (out None), else out[dest[i]] = program(x[rows[i]]).
+def run_program(x, rows, program, table_index, out=None, dest=None, renorm: Renorm | None = None) -> None:
+    """x[rows[i]] = program(x[rows[i]]) (out None), else out[dest[i]] = program(x[rows[i]]); a write
+    with `renorm` (at a residual site) then makes renorm.out's rows again as the RMSNorm of x's.
 
     Generates the program's kernel on first use (see generate_kernel), then launches it. In
     place for writes; rows must be distinct (not checked: that would synchronise the device).
     """
-    generate_kernel(program, x.shape[1])[0](x, rows, program, table_index, out, dest)
+    generate_kernel(program, x.shape[1])[0](x, rows, program, table_index, out, dest, renorm)
 

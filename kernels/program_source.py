@@ -228,18 +228,28 @@ class Source:
             f"tl.store(out_ptr + dest * out_row_stride + {self.lanes(n)}, {v}.to(out_ptr.dtype.element_ty), "
             f"mask={self.mask(n, live=True)})",
         ]
-        if plan.ops[plan.output][2] != (plan.F,):
-            return read  # only (F,) results can be written back
+        if not plan.writable:
+            return read
+        lanes, mask, live_mask = self.lanes(n), self.mask(n), self.mask(n, live=True)
+        squares = "written * written" if n == 1 else f"tl.where({mask}, written * written, 0.0)"
         return [
             "if WRITE:",
-            f"    tl.store(x_ptr + rows * x_row_stride + {self.lanes(n)}, {v}.to(x_ptr.dtype.element_ty), "
-            f"mask={self.mask(n, live=True)})",
+            f"    written = {v}.to(x_ptr.dtype.element_ty)",
+            f"    tl.store(x_ptr + rows * x_row_stride + {lanes}, written, mask={live_mask})",
+            "    if RENORM:  # the renorm template (rms_norm_rows.py) on the rows just written, held here",
+            "        written = written.to(tl.float32)",
+            f"        mean_square = tl.sum({squares}, axis=1, keep_dims=True) / {n}.0",
+            f"        weight = {self.load(f'weight_ptr + {lanes}', n)}",
+            "        normalized = normalized_row(written, mean_square, weight, eps)",
+            f"        tl.store(out_ptr + rows * out_row_stride + {lanes}, normalized.to(out_ptr.dtype.element_ty), "
+            f"mask={live_mask})",
             "else:",
             *("    " + line for line in read),
         ]
 
     def text(self) -> str:
         plan = self.plan
+        writable = plan.writable
         body = [line for i in range(len(plan.ops)) for line in self.op(i)] + self.store()
         consts = [f"c{index}_ptr" for index, _ in plan.consts]
         numbers = list(self.number_names.values())
@@ -270,15 +280,18 @@ class Source:
             "",
             "import triton",
             "import triton.language as tl",
+            *(["", "from xmix_lens.kernels.rms_norm_rows import normalized_row"] if writable else []),
             "",
             "",
             "@triton.jit",
             "def program_kernel(",
             "    x_ptr, x_row_stride, rows_ptr, R, table_index_ptr, out_ptr, out_row_stride, dest_ptr, scratch_ptr,",
+            *(["    weight_ptr, eps,"] if writable else []),
             *(["    partial_ptr, partial_split_stride,"] if plan.split else []),
             *([f"    {', '.join(consts)},"] if consts else []),
             *([f"    {', '.join(numbers)},"] if numbers else []),
             "    WRITE: tl.constexpr, BLOCK_ROWS: tl.constexpr, SCRATCH_WIDTH: tl.constexpr,",
+            *(["    RENORM: tl.constexpr,"] if writable else []),
             *(["    SPLIT_K: tl.constexpr, SPLIT_WIDTH: tl.constexpr,"] if plan.split else []),
             "):",
             *("    " + line for line in setup),

@@ -10,17 +10,18 @@ import torch
 
 from ..ops import OPS
 from .program_format import check_arguments, plan, structure
+from .rms_norm_rows import Renorm, rms_norm_rows_torch
 
 
-def run_program_torch(x, rows, program, table_index, out=None, dest=None) -> None:
+def run_program_torch(x, rows, program, table_index, out=None, dest=None, renorm: Renorm | None = None) -> None:
     """The same program in plain torch, for all R tokens at once (what the CPU engine runs).
 
     A value is [R, n], [R, 1] for () and (1,), or [1, n] when made of constants only.
     """
     checked = plan(structure(program, x.shape[1]))
-    check_arguments(checked, x, rows, program, table_index, out, dest)
+    check_arguments(checked, x, rows, program, table_index, out, dest, renorm)
     ops, consts, output = program
-    live = rows >= 0
+    all_rows, live = rows, rows >= 0
     rows = rows[live]
     table_index = table_index[live] if table_index is not None else None
     dest = dest[live] if dest is not None else None
@@ -55,5 +56,7 @@ def run_program_torch(x, rows, program, table_index, out=None, dest=None) -> Non
     result = values[output].expand(R, checked.widths[output])
     if out is None:
         x[rows] = result.to(x.dtype)
+        if renorm is not None:
+            rms_norm_rows_torch(x, all_rows, *renorm)
     else:
         out[dest] = result.to(out.dtype)

@@ -12,16 +12,39 @@ write is off), so a step where no write is on launches programs that return at o
 The math is vLLM's RMSNorm's: x in fp32, times the reciprocal root of its mean square plus eps,
 cast to the weight's dtype, times the weight, cast to out's dtype.
 
+A write kernel that holds its rows whole (affine_write's row kernel, the generated kernels) takes
+the renorm as an epilogue instead (`Renorm`, its arguments; `normalized_row`, its math): the rows it
+wrote normalised again in the same launch, one launch a write less at a residual site.
+
 Contracts (shared with the torch twin):
   x       [T, F] fp32 or bf16, rows contiguous (a row stride is allowed)
   rows    [R] int32 token indices into x and out; -1 skips the entry
   weight  [F], x's dtype
   out     [T, F], rows contiguous; only rows[:] are written
 """
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
+
+
+class Renorm(NamedTuple):
+    """What a write at a residual site passes its kernel: out's rows it writes made again as the
+    RMSNorm of x's (`rms_norm_rows`'s arguments but x and rows, which are the write's)."""
+
+    weight: torch.Tensor
+    eps: float
+    out: torch.Tensor
+
+
+@triton.jit
+def normalized_row(x, mean_square, weight, eps):
+    """vLLM's RMSNorm of fp32 values x whose row has this mean square: x times the reciprocal root of
+    it plus eps, rounded to the weight's dtype, times the weight, in fp32. A product of two bf16
+    values is exact in fp32, so the caller's store rounds it as vLLM's bf16 product does (Triton's
+    interpreter mis-multiplies bf16 tensors)."""
+    return (x * tl.rsqrt(mean_square + eps)).to(weight.dtype).to(tl.float32) * weight.to(tl.float32)
 
 TILE = 2048  # features a program holds at once (registers): wider rows take several tiles
 
@@ -39,15 +62,12 @@ def rms_norm_rows_kernel(
         cols = start + tl.arange(0, TILE)
         x = tl.load(x_ptr + row * x_row_stride + cols, mask=cols < F, other=0.0).to(tl.float32)
         squares += x * x
-    inverse_rms = tl.rsqrt(tl.sum(squares, axis=0) / F + eps)
+    mean_square = tl.sum(squares, axis=0) / F
     for start in range(0, F, TILE):
         cols = start + tl.arange(0, TILE)
         x = tl.load(x_ptr + row * x_row_stride + cols, mask=cols < F, other=0.0).to(tl.float32)
         w = tl.load(weight_ptr + cols, mask=cols < F, other=0.0)
-        # rounded to the weight's dtype, then multiplied in fp32: a product of two bf16 values is
-        # exact in fp32, so the store's rounding makes vLLM's bf16 product (Triton's interpreter
-        # mis-multiplies bf16 tensors)
-        y = (x * inverse_rms).to(w.dtype).to(tl.float32) * w.to(tl.float32)
+        y = normalized_row(x, mean_square, w, eps)
         tl.store(out_ptr + row * out_row_stride + cols, y.to(out_ptr.dtype.element_ty), mask=cols < F)
 
 

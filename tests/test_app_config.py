@@ -88,7 +88,7 @@ def sites_run(model, call) -> set[str]:
     """The hook points whose sites ran in the steps of `call()`."""
     runtime, ran = model.engine.runtime, []
     run_site = runtime.run_site
-    runtime.run_site = lambda x, site_id: (ran.append(site_id), run_site(x, site_id))[-1]
+    runtime.run_site = lambda x, site_id, renorm=None: (ran.append(site_id), run_site(x, site_id, renorm))[-1]
     try:
         call()
     finally:

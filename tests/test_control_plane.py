@@ -104,14 +104,15 @@ def recorded_launches(control, monkeypatch):
     """Record the control plane's launches at every site as (kernel, addresses of its tensors but the
     activations, x and a renorm's `out`, whose addresses a CUDA graph fixes itself)."""
     from xmix_lens.backend.executor import Kernels
+    from xmix_lens.kernels import Renorm
 
     launches = []
 
     def recording(name, fn):
-        def launch(x, *args):
-            fixed = args[:-1] if name == "rms_norm_rows" else args
+        def launch(x, *args, **kwargs):
+            fixed = [a.weight if isinstance(a, Renorm) else a for a in (*args, *kwargs.values())]
             launches.append((name, tuple(a.data_ptr() for a in fixed if isinstance(a, torch.Tensor))))
-            return fn(x, *args)
+            return fn(x, *args, **kwargs)
         return launch
 
     kernels = control.executor.kernels

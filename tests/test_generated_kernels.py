@@ -13,6 +13,7 @@ import triton
 from triton.runtime.interpreter import InterpretedFunction
 
 from xmix_lens.kernels import program_format, program_kernel, program_torch, split_matmul
+from xmix_lens.kernels.rms_norm_rows import Renorm, rms_norm_rows_torch
 from xmix_lens.lowered import TokenOp, TokenProgram
 
 from kernel_checks import SENTINEL, assert_matches, gen, random_subset, randn  # noqa: F401 (gen: fixture)
@@ -352,6 +353,31 @@ def test_gated_rows_are_skipped(gen):
         assert_matches(out, reference)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("make", [steering_gate, sae_clamp])
+def test_a_write_with_a_renorm_normalises_the_rows_it_wrote(make, dtype, gen):
+    """A write at a residual site (kernels/rms_norm_rows.py's Renorm): the kernel also makes the
+    norm's output again on the rows it wrote, from the values it stored, in the same launch."""
+    F, T, eps = (64 if make is sae_clamp else 200), 30, 1e-5
+    program = make(F, gen)
+    x = randn(T, F, gen=gen, dtype=dtype)
+    live = random_subset(T, 11, gen)
+    rows = torch.full((T,), -1, dtype=torch.int32)
+    rows[live.long()] = live
+    weight, poisoned = randn(F, gen=gen, dtype=dtype), torch.full((T, F), SENTINEL, dtype=dtype)
+    written = {}
+    for run in (program_kernel.run_program, program_torch.run_program_torch):
+        y, out = x.clone(), poisoned.clone()
+        run(y, rows, program, None, renorm=Renorm(weight, eps, out))
+        off = rows < 0
+        assert torch.equal(y[off], x[off]) and torch.equal(out[off], poisoned[off])
+        renormalized = poisoned.clone()  # the norm of what this launch itself wrote
+        rms_norm_rows_torch(y, rows, weight, eps, renormalized)
+        assert_matches(out[live.long()], renormalized[live.long()], roundings=3)
+        written[run] = y
+    assert_matches(written[program_kernel.run_program], written[program_torch.run_program_torch], noise=1e-4)
+
+
 # --- matmuls of x split over programs (split_matmul.py) -----------------------------------------------
 def test_partial_products_sum_to_the_matmul(gen):
     """Each chunk's product lands in its partial at its column; a -1 row's partials are zeros, the
@@ -438,16 +464,18 @@ def test_limits_are_named(gen):
 
 
 # --- the real compiler ---------------------------------------------------------------------------
-def sm90_job(make, F, write):
+def sm90_job(make, F, write, renorm=False):
     """What compiling make(F)'s kernel for an sm_90 GPU (H100, H200) with bf16 x takes."""
     kernel, _ = program_kernel.generate_kernel(make(F, torch.Generator().manual_seed(0)), F)
     plan = kernel.plan
     pointers = {"x_ptr": "*bf16", "rows_ptr": "*i32", "table_index_ptr": "*i32", "dest_ptr": "*i32",
-                "out_ptr": "*bf16" if write else "*fp32", "scratch_ptr": "*fp32"}
+                "out_ptr": "*bf16" if write else "*fp32", "scratch_ptr": "*fp32", "weight_ptr": "*bf16", "eps": "fp32"}
     signature = {name: pointers.get(name, "*fp32" if name.endswith("_ptr") else "i32") for name in kernel.fn.arg_names}
     for m, (i, _) in enumerate(plan.numbers):
         signature[f"s{m}"] = "i32" if plan.ops[i][0] == "topk_mask" else "fp32"
     constexprs = {"WRITE": write, "BLOCK_ROWS": plan.block_rows, "SCRATCH_WIDTH": plan.scratch_width}
+    if plan.writable:
+        constexprs["RENORM"] = renorm
     if plan.split:  # as a decode step's launch splits it
         constexprs.update(SPLIT_K=split_matmul.MAX_SPLIT, SPLIT_WIDTH=plan.split_width)
     signature.update(dict.fromkeys(constexprs, "constexpr"))
@@ -464,6 +492,20 @@ def partial_products_job(F, N):
                   "CHUNK": triton.cdiv(F // split_matmul.MAX_SPLIT, tile) * tile, "BLOCK_ROWS": 16}
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     return split_matmul.__name__, "partial_products_kernel", signature, constexprs, 4
+
+
+def affine_write_row_job(F, K, renorm):
+    """Compiling affine_write's row kernel as the launcher calls it for bf16 x, with a renorm or not."""
+    template = sys.modules["xmix_lens.kernels.affine_write"]  # the package's name is the launcher's
+    fn = template.affine_write_row_kernel
+    pointers = {"x_ptr": "*bf16", "rows_ptr": "*i32", "scale_idx_ptr": "*i32", "bias_idx_ptr": "*i32",
+                "weight_ptr": "*bf16", "out_ptr": "*bf16", "eps": "fp32"}
+    signature = {name: pointers.get(name, "*fp32" if name.endswith("_ptr") else "i32") for name in fn.arg_names}
+    rank = triton.next_power_of_2(max(K, 1))
+    constexprs = {"BLOCK_FEATURES": min(triton.next_power_of_2(F), template.MAX_ROW_TILE), "BLOCK_RANK": rank,
+                  "HAS_LOW_RANK": K > 0, "RENORM": renorm}
+    signature.update(dict.fromkeys(constexprs, "constexpr"))
+    return template.__name__, "affine_write_row_kernel", signature, constexprs, 4
 
 
 # Runs in a process of its own: there the generated files import as plain @triton.jit kernels
@@ -492,7 +534,9 @@ def test_kernels_compile_for_a_gpu():
     jobs = [sm90_job(make, 64 if make.__name__.startswith("sae") else 200, make in WRITES) for make in WRITES + READS]
     for name in ("gelu", "tanh", "pow 1.5", "pow 7", "pow -0.5", "logical_or", "unsqueeze", "min", "clamp high"):
         jobs.append(sm90_job(lambda F, gen: one_op(name, F, gen), 96, False))
+    jobs += [sm90_job(make, 200 if make is steering_gate else 64, True, renorm=True) for make in (steering_gate, sae_clamp)]
     jobs += [sm90_job(sae_feature_read, 4096, False), partial_products_job(4096, 64), partial_products_job(600, 40)]
+    jobs += [affine_write_row_job(4096, K, renorm) for K, renorm in ((0, True), (1, True), (1, False))]
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", COMPILE], input=json.dumps(jobs), env=env, capture_output=True,
                           text=True, timeout=300)

@@ -105,6 +105,36 @@ def test_affine_write(dtype, F, K, gen):
     assert_matches(actual[rows.long()], expected[rows.long()])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+# K = 0 and 3: the row kernel with the renorm as its epilogue (F = 2500: a row in two tiles);
+# K = 20: the row blocks, then the renorm's own launch
+@pytest.mark.parametrize("F, K", [(129, 0), (2500, 0), (300, 3), (200, 20)])
+def test_affine_write_with_a_renorm(dtype, F, K, gen):
+    """A write at a residual site: the rows it wrote (gated rows are not) also get their norm made
+    again, from the values it stored; other rows of the norm's output are untouched."""
+    T, eps = 40, 1e-6
+    x = randn(T, F, gen=gen, dtype=dtype)
+    rows = torch.full((T,), -1, dtype=torch.int32)  # control rows: the token's index where on, else -1
+    on = random_subset(T, 17, gen).long()
+    rows[on] = on.int()
+    scale, bias = randn(1, F, gen=gen), randn(1, F, gen=gen)
+    idx = torch.zeros(T, dtype=torch.int32)
+    U, V = randn(F, K, gen=gen) / F**0.5, randn(K, F, gen=gen)
+    weight, poisoned = randn(F, gen=gen, dtype=dtype), torch.full((T, F), SENTINEL, dtype=dtype)
+
+    expected, actual = x.clone(), x.clone()
+    expected_out, actual_out = poisoned.clone(), poisoned.clone()
+    kernels.affine_write_torch(expected, rows, scale, idx, bias, idx, U, V, kernels.Renorm(weight, eps, expected_out))
+    kernels.affine_write(actual, rows, scale, idx, bias, idx, U, V, kernels.Renorm(weight, eps, actual_out))
+
+    off = rows < 0
+    assert torch.equal(actual[off], x[off]) and torch.equal(actual_out[off], poisoned[off])
+    assert_matches(actual[on], expected[on])
+    renormalized = poisoned.clone()  # the norm of what the kernel itself wrote
+    kernels.rms_norm_rows_torch(actual, rows, weight, eps, renormalized)
+    assert_matches(actual_out[on], renormalized[on], roundings=3)  # see test_rms_norm_rows
+
+
 def test_affine_write_projects_a_direction_out(gen):
     T, F = 40, 200
     x = randn(T, F, gen=gen)

@@ -3,6 +3,7 @@ runs as it does without sites, and only the rows a write at a site changed are n
 import torch
 
 from xmix_lens.backend.executor import Executor
+from xmix_lens.lowered import AffineWrite
 from xmix_lens.backend.vllm import site_op, sites
 
 
@@ -17,16 +18,14 @@ def test_a_residual_write_leaves_vllms_fused_norm_and_renormalizes_the_rows_it_w
     rows[written] = written.int()
     v = torch.randn(F, generator=g)
 
+    steer = AffineWrite(None, torch.ones(F), v, torch.zeros(F, 0), torch.zeros(0, F))
+
     class OneResidentWrite:  # the site runtime of an engine with one write at the site: x[written] += v
         executor = Executor(torch.device("cpu"), T)
 
-        def run_site(self, x, site_id):
-            assert site_id == SITE
-            x[written] += v.to(x.dtype)
-
-        def renormalize_written(self, out, x, weight, eps, site_ids):
-            assert site_ids == [SITE]
-            self.executor.renormalize(x, rows, weight, eps, out)
+        def run_site(self, x, site_id, renorm=None):
+            assert site_id == SITE and renorm is not None
+            self.executor.run(steer, x, rows, renorm=renorm)
 
     monkeypatch.setattr(site_op, "running_site_runtime", OneResidentWrite)
     with set_current_vllm_config(VllmConfig()):
@@ -41,7 +40,7 @@ def test_a_residual_write_leaves_vllms_fused_norm_and_renormalizes_the_rows_it_w
         out, resid = norm(x.clone(), residual.clone())
 
     expected_sum = native_sum.clone()
-    expected_sum[written] += v.bfloat16()
+    expected_sum[written] = (native_sum[written].float() + v).bfloat16()
     assert torch.equal(resid, expected_sum)
     kept = torch.ones(T, dtype=torch.bool)
     kept[written] = False
@@ -53,9 +52,9 @@ def test_a_residual_write_leaves_vllms_fused_norm_and_renormalizes_the_rows_it_w
     assert not torch.equal(out[written], native_out[written])
 
 
-def test_a_residual_read_in_a_step_run_uncompiled_makes_no_renormalize_call(monkeypatch):
+def test_a_residual_read_in_a_step_run_uncompiled_runs_as_a_plain_site(monkeypatch):
     """A step run uncompiled knows its sites only read (`ActiveSites.written`): the norm's output is
-    vLLM's fused one, and the renormalize op is not called at all (one call less per norm a step)."""
+    vLLM's fused one, and the site runs without a renorm (nothing to normalise again)."""
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.model_executor.layers.layernorm import RMSNorm
 
@@ -64,11 +63,8 @@ def test_a_residual_read_in_a_step_run_uncompiled_makes_no_renormalize_call(monk
     calls = []
 
     class OneRead:
-        def run_site(self, x, site_id):
-            calls.append(("site", site_id, x.clone()))
-
-        def renormalize_written(self, *args):
-            calls.append(("renormalize",))
+        def run_site(self, x, site_id, renorm=None):
+            calls.append(("site" if renorm is None else "residual_site", site_id, x.clone()))
 
     monkeypatch.setattr(site_op, "running_site_runtime", OneRead)
     with set_current_vllm_config(VllmConfig()):

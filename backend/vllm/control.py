@@ -48,6 +48,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from xmix_lens.kernels import Renorm
 from xmix_lens.lowered import (AffineWrite, GeneratedRead, GeneratedWrite, LoweredOp, Read, TokenOp, TokenProgram,
                                named_tensors, op_digest, to_device)
 
@@ -649,8 +650,9 @@ class ControlPlane:
     def _bits(self, names) -> int:
         return sum(1 << self._bit[n] for n in names)
 
-    def launch(self, x: torch.Tensor, site_id: int) -> None:
-        """The site's resident ops over all of x's tokens: the same launches every step."""
+    def launch(self, x: torch.Tensor, site_id: int, renorm: Renorm | None = None) -> None:
+        """The site's resident ops over all of x's tokens: the same launches every step. `renorm`:
+        at a residual site, the norm's output that each write makes again on the rows it wrote."""
         ops = self.by_site.get(site_id)
         if not ops:
             return
@@ -664,19 +666,9 @@ class ControlPlane:
             tables = self.control[entry.index, TABLE, :T] if entry.tables else None
             with on_site(entry.placed, x, self.comm) as x_op:  # a gather plan: the whole row
                 if entry.step_values is None:
-                    self.executor.run(entry.op, x_op, rows, tables)
+                    self.executor.run(entry.op, x_op, rows, tables, renorm=renorm)
                 else:
                     self.executor.run(entry.op, x_op, rows, tables, out=entry.step_values, dest=self._tokens[:T])
-
-    def renormalize_written(self, out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float,
-                            site_ids) -> None:
-        """`out`, the RMSNorm of x computed before the sites `site_ids` ran on x, made again on the
-        tokens of their resident writes (sites.py): one launch per write, the same every step."""
-        T = x.shape[0]
-        for site_id in site_ids:
-            for entry in self.by_site.get(site_id, ()):
-                if entry.step_values is None:  # a write
-                    self.executor.renormalize(x, self.control[entry.index, ROWS, :T], weight, eps, out)
 
     # --- the messenger ----------------------------------------------------------------------------
     def _queue_home(self) -> bool:

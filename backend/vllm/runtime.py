@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
+from xmix_lens.kernels import Renorm
 from xmix_lens.lowered import AffineWrite, GeneratedRead, GeneratedWrite, LoweredOp, Read, to_device
 from xmix_lens.request_choice import chosen_apps, chosen_values, reads_wanted
 
@@ -444,21 +445,13 @@ class SiteRuntime:
                 target.view(read.p.batch, -1).index_copy_(0, read.rows, read.values)
         self._pending = []
 
-    def run_site(self, x: torch.Tensor, site_id: int) -> None:
-        # installed apps first (in install order), then the hooks of the passes in flight
-        self.control.launch(x, site_id)
+    def run_site(self, x: torch.Tensor, site_id: int, renorm: Renorm | None = None) -> None:
+        """The site's ops on x: installed apps first (in install order), then the hooks of the passes
+        in flight. `renorm`: at a residual site, the norm's output computed (fused) before the site
+        ran, which each write makes again on the tokens it wrote (sites.py)."""
+        self.control.launch(x, site_id, renorm)
         for p, phase, op, chosen in self._chosen_pass_ops(site_id):
-            self._run_op(x, site_id, p, phase, op, chosen)
-
-    def renormalize_written(self, out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float,
-                            site_ids: list[int]) -> None:
-        """`out` (x's RMSNorm, computed fused before the sites ran on x: sites.py) made again on the
-        tokens that a write at one of the sites changed, installed apps' and passes'."""
-        self.control.renormalize_written(out, x, weight, eps, site_ids)
-        for site_id in site_ids:
-            for _, _, op, chosen in self._chosen_pass_ops(site_id):
-                if is_write(op):
-                    self.executor.renormalize(x, chosen.rows, weight, eps, out)
+            self._run_op(x, site_id, p, phase, op, chosen, renorm)
 
     def _chosen_pass_ops(self, site_id: int):
         """(pass, phase, op, its tokens) of the passes' ops at the site that run on tokens of this step."""
@@ -480,13 +473,14 @@ class SiteRuntime:
             chosen &= positions.numpy()[np.minimum(padded_pos, phase.padded_len - 1)]
         return np.flatnonzero(chosen)
 
-    def _run_op(self, x: torch.Tensor, site_id: int, p: Pass, phase: Phase, op, chosen: OpTokens) -> None:
+    def _run_op(self, x: torch.Tensor, site_id: int, p: Pass, phase: Phase, op, chosen: OpTokens,
+                renorm: Renorm | None) -> None:
         placed = op if isinstance(op, sharding.Placed) else None
         op = placed.op if placed is not None else op
         # the same tokens on every rank: a collective below is called by all ranks or by none
         with sharding.on_site(placed, x, self.comm) as x:
             if isinstance(op, (AffineWrite, GeneratedWrite)):
-                self.executor.run(op, x, chosen.rows, chosen.flat_index)
+                self.executor.run(op, x, chosen.rows, chosen.flat_index, renorm=renorm)
                 # a per-row count on the device, read when the pass closes: no host sync here
                 written = x.index_select(0, chosen.rows)
                 bad = (~torch.isfinite(written)).any(-1).int()

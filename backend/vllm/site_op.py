@@ -1,10 +1,10 @@
-"""The custom ops every hook site calls: `torch.ops.xmix.site(x, site_id)` and, for a hook point
-that is a column slice of a layer's output, `torch.ops.xmix.site_cols(x, site_id, start, end)`;
-and after residual sites that follow vLLM's fused add + RMSNorm,
-`torch.ops.xmix.renormalize_written(out, x, weight, eps, site_ids)`: the norm's output made again
-where a write at those sites changed x (sites.py).
+"""The custom ops every hook site calls: `torch.ops.xmix.site(x, site_id)`; for a hook point that
+is a column slice of a layer's output, `torch.ops.xmix.site_cols(x, site_id, start, end)`; for a
+residual hook point after vLLM's fused add + RMSNorm, `torch.ops.xmix.residual_site(x, out, weight,
+eps, site_id)`: its writes make the norm's output `out` again on the rows they change, in their own
+launches (sites.py, kernels/rms_norm_rows.py).
 
-All are declared as mutating their first argument, with a fake impl, so torch.compile keeps them in the graph as
+All are declared as mutating what they write, with a fake impl, so torch.compile keeps them in the graph as
 opaque calls (and CUDA-graph capture records the kernels they launch) instead of tracing into them.
 Their body hands `x` (or its columns [start, end)) to the site runtime of the engine whose forward
 is running, which applies the programs armed at that site this step. That runtime is found in
@@ -18,6 +18,8 @@ one qkv output are exactly that). A mutation of the whole tensor is functionaliz
 site; the slice is taken inside the op, on real tensors.
 """
 import torch
+
+from xmix_lens.kernels import Renorm
 
 from .adapter import running_site_runtime
 
@@ -46,15 +48,13 @@ def _site_cols_fake(x: torch.Tensor, site_id: int, start: int, end: int) -> None
     return None
 
 
-@torch.library.custom_op("xmix::renormalize_written", mutates_args=("out",))
-def renormalize_written(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float,
-                        site_ids: list[int]) -> None:
+@torch.library.custom_op("xmix::residual_site", mutates_args=("x", "out"))
+def residual_site(x: torch.Tensor, out: torch.Tensor, weight: torch.Tensor, eps: float, site_id: int) -> None:
     runtime = running_site_runtime()
     if runtime is not None:
-        runtime.renormalize_written(out, x, weight, eps, site_ids)
+        runtime.run_site(x, site_id, Renorm(weight, eps, out))
 
 
-@renormalize_written.register_fake
-def _renormalize_written_fake(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float,
-                              site_ids: list[int]) -> None:
+@residual_site.register_fake
+def _residual_site_fake(x: torch.Tensor, out: torch.Tensor, weight: torch.Tensor, eps: float, site_id: int) -> None:
     return None

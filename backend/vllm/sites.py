@@ -33,9 +33,10 @@ Each family is a table: (submodule path, placement, hook names). Placements:
                   probe), vLLM's norm runs as it does without sites, fused and rounded alike, and
                   the sites read around it. Where the norm has residual ("sum") sites only, and is
                   vLLM's RMSNorm, its fused add + norm runs first, as it does without sites, the
-                  sum sites then run on the sum it returns, and the rows a write there changed
-                  are normalised again (`torch.ops.xmix.renormalize_written`, one launch per
-                  write op, gated by its rows). So a residual write site leaves the fused op and
+                  sum sites then run on the sum it returns (`torch.ops.xmix.residual_site`), and
+                  each write there normalises the rows it changed again in its own launch (the
+                  renorm template as its epilogue, gated by its rows; a separate launch only
+                  after a low-rank write of rank > 16). So a residual write site leaves the fused op and
                   Inductor's fusions around it as they are: materialising the sum for the site
                   made Inductor fold the down projection and the add into one addmm and run the
                   norm unfused, a slower decode step with nothing written (docs/benchmarks.md,
@@ -254,11 +255,13 @@ def _wrap_norm(norm: nn.Module, sum_ids: SiteIds, scale_ids: SiteIds, normalized
         if residual is not None and renormalizable and not (scales or normalizeds):
             # residual sites after vLLM's fused add + norm; rows they wrote normalised again
             out, resid = inner(x, residual)
-            _run_sites(resid, sums)
             # compiled: whether a site writes is chosen per step (the launches are gated); a step run
-            # uncompiled knows, and a step whose sums are only read skips the call
-            if sums and (torch.compiler.is_compiling() or active.any_written((sums,))):
-                torch.ops.xmix.renormalize_written(out, resid, norm.weight, norm.variance_epsilon, list(sums))
+            # uncompiled knows, and a step whose sums are only read runs them as plain sites
+            if torch.compiler.is_compiling() or active.any_written((sums,)):
+                for site_id in sums:
+                    torch.ops.xmix.residual_site(resid, out, norm.weight, norm.variance_epsilon, site_id)
+            else:
+                _run_sites(resid, sums)
             _run_sites(out, weighteds)
             return out, resid
         # Reads only, in a step run uncompiled: vLLM's norm as it runs without sites (fused, and

@@ -37,7 +37,14 @@ BLOCK_FEATURES = 128
 # 16-row blocks a decode step of 32 tokens had 2 programs, each walking a 4096-wide row in 32
 # dependent steps twice; one row a program walks it in two tiles, with 16x the programs.
 NARROW_RANK = 16
-MAX_ROW_TILE = 2048  # features a row program holds at once (registers)
+# Features a row program holds at once (registers), and its warps: a 4096-wide row in one tile of
+# 8 warps took 2.5 us (rank 0) and 3.9 us (rank 1) with its renorm at 32 rows on an H200, against
+# 3.2 and 5.2 in two tiles of 4 warps (bench/results/2026-12-03-gpu-row-tiles.json).
+MAX_ROW_TILE = 4096
+
+
+def row_warps(tile: int) -> int:
+    return 8 if tile >= 4096 else 4
 
 
 # K == 1 (one direction) is the common case, and Triton's default specialisation of arguments
@@ -176,6 +183,7 @@ def affine_write(x, rows, scale, scale_idx, bias, bias_idx, U, V, renorm: Renorm
             x, x.stride(0), rows, F, K, scale, scale_idx, bias, bias_idx, U, V,
             weight, out, out.stride(0), eps,
             BLOCK_FEATURES=tile, BLOCK_RANK=rank, HAS_LOW_RANK=K > 0, RENORM=renorm is not None,
+            num_warps=row_warps(tile),
         )
         return
     has_low_rank = K > 0

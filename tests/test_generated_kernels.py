@@ -501,11 +501,10 @@ def affine_write_row_job(F, K, renorm):
     pointers = {"x_ptr": "*bf16", "rows_ptr": "*i32", "scale_idx_ptr": "*i32", "bias_idx_ptr": "*i32",
                 "weight_ptr": "*bf16", "out_ptr": "*bf16", "eps": "fp32"}
     signature = {name: pointers.get(name, "*fp32" if name.endswith("_ptr") else "i32") for name in fn.arg_names}
-    rank = triton.next_power_of_2(max(K, 1))
-    constexprs = {"BLOCK_FEATURES": min(triton.next_power_of_2(F), template.MAX_ROW_TILE), "BLOCK_RANK": rank,
-                  "HAS_LOW_RANK": K > 0, "RENORM": renorm}
+    rank, tile = triton.next_power_of_2(max(K, 1)), min(triton.next_power_of_2(F), template.MAX_ROW_TILE)
+    constexprs = {"BLOCK_FEATURES": tile, "BLOCK_RANK": rank, "HAS_LOW_RANK": K > 0, "RENORM": renorm}
     signature.update(dict.fromkeys(constexprs, "constexpr"))
-    return template.__name__, "affine_write_row_kernel", signature, constexprs, 4
+    return template.__name__, "affine_write_row_kernel", signature, constexprs, template.row_warps(tile)
 
 
 # Runs in a process of its own: there the generated files import as plain @triton.jit kernels

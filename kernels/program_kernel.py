@@ -173,7 +173,7 @@ class GeneratedKernel:
         target = renorm.out if renorm is not None else x if write else out  # a write's out: its renorm's
         self.fn[(programs,)](
             x, x.stride(0), rows, R, rows if table_index is None else table_index,
-            target, target.stride(0) if renorm is not None or not write else 0, rows if write else dest, scratch,
+            target, target.stride(0), rows if write else dest, scratch,
             *([x, 0.0] if renorm is None else [renorm.weight, renorm.eps]) if plan.writable else [],
             *split, *consts, *numbers,
             WRITE=write, BLOCK_ROWS=plan.block_rows, SCRATCH_WIDTH=plan.scratch_width, num_warps=plan.num_warps,

@@ -12,6 +12,7 @@ from typing import NamedTuple
 import torch
 
 from xmix_lens import kernels
+from xmix_lens.kernels.split_matmul import arrival_counters
 from xmix_lens.lowered import AffineWrite, GeneratedRead, GeneratedWrite, LoweredOp
 
 
@@ -34,6 +35,8 @@ class Executor:
         # the index of a shared (not per-token) bias row, for every token: allocated once, so that a
         # launch inside a CUDA-graph capture allocates nothing
         self.zeros = torch.zeros(max_tokens, dtype=torch.int32, device=device)
+        if device.type == "cuda":  # and so the generated kernels' arrival counters (split_matmul.py)
+            arrival_counters(device)
 
     def run(self, op: LoweredOp, x: torch.Tensor, rows: torch.Tensor, table_index: torch.Tensor | None = None,
             out: torch.Tensor | None = None, dest: torch.Tensor | None = None,

@@ -37,10 +37,12 @@ MAX_LANES = 8192
 LANES_PER_PROGRAM = 16384
 MAX_BLOCK_ROWS = 16  # more rows a program only slows decode steps (few rows)
 MAX_TOPK = 128
+MAX_DOT_TILE = 64  # the most input features a tl.dot tile takes (dot_tile)
 PROGRAMS_PER_SM = 4  # the grid on a GPU: enough programs to hide latency, a bounded scratch
 
 __all__ = ["ARGS", "NUMBER", "REDUCTIONS", "MAX_LANES", "LANES_PER_PROGRAM", "MAX_BLOCK_ROWS", "MAX_TOPK",
-           "PROGRAMS_PER_SM", "Plan", "structure", "plan", "x_held", "dot_tile", "narrow_tile", "check_arguments"]
+           "MAX_DOT_TILE", "PROGRAMS_PER_SM", "Plan", "structure", "plan", "x_held", "dot_tile", "narrow_tile",
+           "check_arguments", "sm_count"]
 
 
 def structure(program, F: int) -> tuple:
@@ -89,12 +91,23 @@ class Plan:
     consts: tuple  # (const index, expected shape; None where any size goes) of each const read
     scratch: tuple  # (matmul op index, first scratch column) of each matmul staging its input
     scratch_width: int
-    block_rows: int
-    num_warps: int
+    block_rows: int  # the most rows a program takes at a time (a launch of few rows takes fewer: dots permitting)
+    widest: int  # the lanes of the widest value a program holds per row
+    dots: bool  # whether a matmul runs on tl.dot, which needs block_rows (16) rows a program
     # (matmul op index, first partial column) of each tl.dot matmul of x, which a launch of few row
     # blocks splits over programs (split_matmul.py); their outputs side by side in a partial row
     split: tuple = ()
     split_width: int = 0
+
+    def warps(self, block_rows: int) -> int:
+        """The warps of a program taking block_rows rows at a time: 16 for 16K lanes, 32 fp32 registers
+        a thread per value (ptxas for sm_90 reports no spills for F = 4096 steering or a 576 -> 4096
+        -> 576 top-k SAE); 4 at least."""
+        return min(16, max(4, block_rows * self.widest // 1024))
+
+    @property
+    def num_warps(self) -> int:
+        return self.warps(self.block_rows)
 
     @property
     def writable(self) -> bool:
@@ -166,19 +179,24 @@ def plan(structure: tuple) -> Plan:
     held = [w for i, w in enumerate(widths) if ops[i][0] != "x" or x_held(i, output, ops)]
     widest = max(triton.next_power_of_2(w) for w in held or [1])
     block_rows = max(1, min(MAX_BLOCK_ROWS, LANES_PER_PROGRAM // widest))
+    dots = [i for i, (name, args, _) in enumerate(ops)
+            if name == "matmul" and widths[args[0]] > 1 and dot_tile(widths[i], block_rows)]
     split, split_width = [], 0
-    for i, (name, args, _) in enumerate(ops):
-        if name == "matmul" and ops[args[0]][0] == "x" and dot_tile(widths[i], block_rows):
+    for i in dots:
+        if ops[ops[i][1][0]][0] == "x":
             split.append((i, split_width))
             split_width += widths[i]
     return Plan(
         F=F, output=output, ops=ops, widths=tuple(widths), numbers=tuple(numbers),
         consts=tuple(sorted(consts.items())), scratch=tuple(scratch), scratch_width=scratch_width,
-        # 16 warps for 16K lanes: 32 fp32 registers a thread per value (ptxas for sm_90 reports no
-        # spills for F = 4096 steering or a 576 -> 4096 -> 576 top-k SAE)
-        block_rows=block_rows, num_warps=min(16, max(4, block_rows * widest // 1024)),
-        split=tuple(split), split_width=split_width,
+        block_rows=block_rows, widest=widest, dots=bool(dots), split=tuple(split), split_width=split_width,
     )
+
+
+@cache
+def sm_count(device: torch.device) -> int:
+    """The SMs of a CUDA device, which launches size their grids by."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def x_held(x: int, output: int, ops: tuple) -> bool:
@@ -194,7 +212,7 @@ def dot_tile(n: int, block_rows: int) -> int:
     tl.dot needs 16 rows and 16 outputs at least; wider outputs take fewer features a tile so
     that the tile of W stays within registers."""
     lanes = triton.next_power_of_2(n)
-    return 0 if block_rows < 16 or lanes < 16 else max(16, min(64, 8192 // lanes))
+    return 0 if block_rows < 16 or lanes < 16 else max(16, min(MAX_DOT_TILE, 8192 // lanes))
 
 
 # elements of the [rows, tile, outputs] product a narrow matmul sums per tile (in registers)

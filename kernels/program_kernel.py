@@ -37,7 +37,8 @@ values widen (16 rows up to 1024 lanes, 4 at 4096, 2 at 8192). A launch runs at 
 PROGRAMS_PER_SM programs per SM, program p taking row blocks p, p + programs, ..., so that the
 scratch (programs x BLOCK_ROWS x the staged inputs' widths, fp32) stays bounded. A launch of too
 few row blocks to fill the GPU (a decode step) splits each tl.dot matmul of x over programs
-(split_matmul.py: a launch of partial products before the kernel, which sums them in order).
+(split_matmul.py: SPLIT_K programs a row block store partial products, and the last of them to
+arrive sums them in order and runs the rest of the program, in the same launch).
 
 Limits (program_format.py; each raises NotImplementedError naming the op):
   * a value of at most MAX_LANES features (F and every n, matmul outputs included)
@@ -81,7 +82,8 @@ Example: steering through a gate, x + relu(x . d) * v with F = 200, generates
             rows = tl.load(rows_ptr + entries, mask=live, other=0).to(tl.int64)
             live = live & (rows >= 0)  # a row of -1 is a token this launch leaves alone
             # a block of gated-off rows (every row, in an idle graph-replayed step) does nothing
-            if tl.max(tl.max(live.to(tl.int32), axis=1), axis=0) > 0:
+            busy = tl.max(tl.max(live.to(tl.int32), axis=1), axis=0) > 0
+            if busy:
                 v0 = tl.load(x_ptr + rows * x_row_stride + lanes200, mask=live & in200, other=0.0).to(tl.float32)
                 v1 = tl.load(c0_ptr + lanes200, mask=in200, other=0.0)
                 v2 = v0 * v1
@@ -111,24 +113,22 @@ import logging
 import sys
 import time
 from dataclasses import dataclass
-from functools import cache
 from pathlib import Path
 
 import torch
 import triton
 
-from .program_format import MAX_TOPK, PROGRAMS_PER_SM, Plan, check_arguments, plan, structure
+from .program_format import MAX_TOPK, PROGRAMS_PER_SM, Plan, check_arguments, plan, sm_count, structure
 from .program_source import Source, import_kernel
 from .rms_norm_rows import Renorm
-from .split_matmul import partial_products, split_count
+from .split_matmul import ARRIVAL_COUNTERS, arrival_counters, split_chunk, split_count
 
 log = logging.getLogger(__name__)
 
-@cache
 def _max_programs(device: torch.device) -> int:
     if device.type != "cuda":
         return sys.maxsize  # the interpreter runs programs one after another: nothing to bound
-    return PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+    return PROGRAMS_PER_SM * sm_count(device)
 
 
 @dataclass
@@ -142,44 +142,68 @@ class GeneratedKernel:
     seconds: float  # the time generating it took (writing and importing; Triton compiles at first launch)
 
     def __call__(self, x, rows, program, table_index, out=None, dest=None, renorm: Renorm | None = None,
-                 split_k: int | None = None) -> None:
+                 split_k: int | None = None, block_rows: int | None = None) -> None:
         """`renorm`: a write's rows normalised again in the same launch (rms_norm_rows.py); `split_k`:
         over how many programs to split the matmuls of x (split_matmul.py); by default as many as
-        fill the GPU, 1 on the CPU."""
+        fill the GPU, 1 on the CPU; `block_rows`: the rows a program takes at a time, by default
+        launch_block_rows's."""
         plan = self.plan
         consts, numbers = check_arguments(plan, x, rows, program, table_index, out, dest, renorm)
         for (i, _), number in zip(plan.numbers, numbers):
             if plan.ops[i][0] == "topk_mask" and number > MAX_TOPK:
                 raise NotImplementedError(f"op {i} (topk_mask): k = {number}; generated kernels take k <= {MAX_TOPK}")
         R = rows.numel()
+        if block_rows is None:
+            block_rows = launch_block_rows(plan, R, x.device)
+        elif block_rows != plan.block_rows and (plan.dots or not _fewer_rows(block_rows, plan.block_rows)):
+            raise ValueError(f"block_rows={block_rows}: this kernel takes {plan.block_rows} rows a program"
+                             + ("" if plan.dots else ", or fewer in a power of two"))
         if R == 0:
             return
-        programs = min(triton.cdiv(R, plan.block_rows), _max_programs(x.device))
+        programs = min(triton.cdiv(R, block_rows), _max_programs(x.device))
         # x stands in for the pointers a launch does not use
         scratch = x
         if plan.scratch_width:
-            scratch = torch.empty(programs * plan.block_rows, plan.scratch_width, dtype=torch.float32,
-                                  device=x.device)
-        split = []
+            scratch = torch.empty(programs * block_rows, plan.scratch_width, dtype=torch.float32, device=x.device)
+        split, S = [], 1
         if plan.split:
             S = split_count(plan.F, R, x.device) if split_k is None else split_k
-            partial = x
+            partial, counters = x, rows
             if S > 1:
+                blocks = triton.cdiv(R, block_rows)
+                if programs < blocks or blocks > ARRIVAL_COUNTERS:
+                    raise ValueError(f"a launch of {R} rows in {blocks} row blocks does not split its matmuls "
+                                     f"(split_matmul.py: {min(programs, ARRIVAL_COUNTERS)} blocks at most); "
+                                     "pass split_k=1")
                 partial = torch.empty(S, R, plan.split_width, dtype=torch.float32, device=x.device)
-                for i, column in plan.split:
-                    partial_products(x, rows, program[1][plan.ops[i][1][1]], partial, column)
-            split = [partial, R * plan.split_width]
+                counters = arrival_counters(x.device)
+            split = [partial, R * plan.split_width, counters]
         write = out is None
         target = renorm.out if renorm is not None else x if write else out  # a write's out: its renorm's
-        self.fn[(programs,)](
+        self.fn[(programs, S)](
             x, x.stride(0), rows, R, rows if table_index is None else table_index,
             target, target.stride(0), rows if write else dest, scratch,
             *([x, 0.0] if renorm is None else [renorm.weight, renorm.eps]) if plan.writable else [],
             *split, *consts, *numbers,
-            WRITE=write, BLOCK_ROWS=plan.block_rows, SCRATCH_WIDTH=plan.scratch_width, num_warps=plan.num_warps,
+            WRITE=write, BLOCK_ROWS=block_rows, SCRATCH_WIDTH=plan.scratch_width, num_warps=plan.warps(block_rows),
             **({"RENORM": renorm is not None} if plan.writable else {}),
-            **({"SPLIT_K": S, "SPLIT_WIDTH": plan.split_width} if plan.split else {}),
+            **({"SPLIT_K": S, "SPLIT_WIDTH": plan.split_width, "SPLIT_CHUNK": split_chunk(plan.F, S)}
+               if plan.split else {}),
         )
+
+
+def _fewer_rows(block_rows: int, most: int) -> bool:
+    return 1 <= block_rows <= most and block_rows & (block_rows - 1) == 0
+
+
+def launch_block_rows(plan: Plan, R: int, device: torch.device) -> int:
+    """The rows a program of a launch of R rows takes at a time: the plan's, unless the launch is too
+    small to give every SM a program that way (a decode step) and no matmul needs the rows for
+    tl.dot; then the most rows (a power of two) that still give every SM one. On the CPU the plan's."""
+    if device.type != "cuda" or plan.dots:
+        return plan.block_rows
+    per_sm = max(1, R // sm_count(device))
+    return min(plan.block_rows, 1 << (per_sm.bit_length() - 1))
 
 
 _kernels: dict[tuple, GeneratedKernel] = {}

@@ -211,11 +211,12 @@ class Source:
             return product
         return [  # a launch of few row blocks splits it (split_matmul.py): its partial products summed in order
             "if SPLIT_K > 1:",
-            f"    # {v} = {a} @ {w[:-4]}: the sum of SPLIT_K partial products over chunks of x's features",
+            f"    # {v} = {a} @ {w[:-4]}: the sum of SPLIT_K partial products over chunks of x's features"
+            " (from L2: other programs stored them)",
             f"    {v} = tl.zeros((BLOCK_ROWS, {triton.next_power_of_2(n)}), dtype=tl.float32)",
             "    for s in tl.static_range(SPLIT_K):",
             f"        {v} += tl.load(partial_ptr + s * partial_split_stride + entries.to(tl.int64) * SPLIT_WIDTH"
-            f" + ({column} + {lanes}), mask={self.mask(n, live=True)}, other=0.0)",
+            f" + ({column} + {lanes}), mask={self.mask(n, live=True)}, other=0.0, cache_modifier=\".cg\")",
             "else:",
             *("    " + line for line in product),
         ]
@@ -245,6 +246,23 @@ class Source:
             f"mask={live_mask})",
             "else:",
             *("    " + line for line in read),
+        ]
+
+    def partial_products(self) -> list[str]:
+        """A split launch's programs each store their share of every split matmul of x, and the
+        last of a row block's SPLIT_K to arrive goes on with the program (split_matmul.py)."""
+        plan = self.plan
+        stores = []
+        for i, column in plan.split:
+            n, const = plan.widths[i], plan.ops[i][1][1]
+            stores.append(f"store_partial_product(x_ptr, x_row_stride, rows, live, entries, R, c{const}_ptr, partial_ptr, "
+                          f"partial_split_stride, {plan.F}, {n}, {triton.next_power_of_2(n)}, {column}, SPLIT_WIDTH, "
+                          f"SPLIT_CHUNK, {dot_tile(n, plan.block_rows)}, BLOCK_ROWS)")
+        return [
+            "if SPLIT_K > 1:  # this program's share of the matmuls of x; the block's last to arrive goes on",
+            "    if busy:",
+            *("        " + line for line in stores),
+            "        busy = arrived_last(arrivals_ptr + block, SPLIT_K)",
         ]
 
     def text(self) -> str:
@@ -280,26 +298,30 @@ class Source:
             "",
             "import triton",
             "import triton.language as tl",
-            *(["", "from xmix_lens.kernels.rms_norm_rows import normalized_row"] if writable else []),
+            *([""] if writable or plan.split else []),
+            *(["from xmix_lens.kernels.rms_norm_rows import normalized_row"] if writable else []),
+            *(["from xmix_lens.kernels.split_matmul import arrived_last, store_partial_product"] if plan.split else []),
             "",
             "",
             "@triton.jit",
             "def program_kernel(",
             "    x_ptr, x_row_stride, rows_ptr, R, table_index_ptr, out_ptr, out_row_stride, dest_ptr, scratch_ptr,",
             *(["    weight_ptr, eps,"] if writable else []),
-            *(["    partial_ptr, partial_split_stride,"] if plan.split else []),
+            *(["    partial_ptr, partial_split_stride, arrivals_ptr,"] if plan.split else []),
             *([f"    {', '.join(consts)},"] if consts else []),
             *([f"    {', '.join(numbers)},"] if numbers else []),
             "    WRITE: tl.constexpr, BLOCK_ROWS: tl.constexpr, SCRATCH_WIDTH: tl.constexpr,",
             *(["    RENORM: tl.constexpr,"] if writable else []),
-            *(["    SPLIT_K: tl.constexpr, SPLIT_WIDTH: tl.constexpr,"] if plan.split else []),
+            *(["    SPLIT_K: tl.constexpr, SPLIT_WIDTH: tl.constexpr, SPLIT_CHUNK: tl.constexpr,"] if plan.split else []),
             "):",
             *("    " + line for line in setup),
             "    # Program p takes row blocks p, p + num_programs, ...: a bounded grid bounds the scratch.",
             "    for block in range(tl.program_id(0), tl.cdiv(R, BLOCK_ROWS), tl.num_programs(0)):",
             *("        " + line for line in rows),
             "        # a block of gated-off rows (every row, in an idle graph-replayed step) does nothing",
-            "        if tl.max(tl.max(live.to(tl.int32), axis=1), axis=0) > 0:",
+            "        busy = tl.max(tl.max(live.to(tl.int32), axis=1), axis=0) > 0",
+            *("        " + line for line in (self.partial_products() if plan.split else [])),
+            "        if busy:",
             *("            " + line for line in body),
             "",
         ])

@@ -153,16 +153,21 @@ WRITES = [steering_gate, matmul_gate, clamp, gated_ablation, norm_rescale, patch
 READS = [softmax_dot, norm_read, sae_reconstruction, sae_feature_read]
 
 
-def run_both(make, F, dtype, gen, T=40, R=27, capacity=50):
-    """The launcher and the twin on one random case; asserts they agree and touch only their rows."""
+def run_both(make, F, dtype, gen, T=40, R=27, capacity=50, block_rows=None):
+    """The launcher and the twin on one random case; asserts they agree and touch only their rows.
+    `block_rows`: the rows a program takes, else the launcher's choice."""
     program = make(F, gen)
+    kernel = program_kernel.generate_kernel(program, F)[0]
+
+    def launch(*args):
+        kernel(*args, block_rows=block_rows)
     x = randn(T, F, gen=gen, dtype=dtype)
     rows = random_subset(T, R, gen)
     table_index = torch.randint(0, 7, (R,), generator=gen, dtype=torch.int32)
     if program.ops[program.output].shape == (F,) and make not in READS:
         expected, actual = x.clone(), x.clone()
         program_torch.run_program_torch(expected, rows, program, table_index)
-        program_kernel.run_program(actual, rows, program, table_index)
+        launch(actual, rows, program, table_index)
         untouched = torch.ones(T, dtype=torch.bool)
         untouched[rows.long()] = False
         assert torch.equal(actual[untouched], x[untouched])  # bit for bit
@@ -173,7 +178,7 @@ def run_both(make, F, dtype, gen, T=40, R=27, capacity=50):
         poisoned = torch.full((capacity, width), SENTINEL)
         expected, actual = poisoned.clone(), poisoned.clone()
         program_torch.run_program_torch(x, rows, program, table_index, expected, dest)
-        program_kernel.run_program(x, rows, program, table_index, actual, dest)
+        launch(x, rows, program, table_index, actual, dest)
         unwritten = torch.ones(capacity, dtype=torch.bool)
         unwritten[dest.long()] = False
         assert torch.equal(actual[unwritten], poisoned[unwritten])
@@ -186,6 +191,40 @@ def run_both(make, F, dtype, gen, T=40, R=27, capacity=50):
 def test_launcher_matches_twin(make, dtype, gen):
     F = 64 if make.__name__.startswith("sae") else 200  # SAEs: n = 64, k = 256; else F not a power of two
     run_both(make, F, dtype, gen)
+
+
+@pytest.mark.parametrize("make", [m for m in WRITES + READS if not m.__name__.startswith("sae")])
+def test_fewer_rows_a_program_match_the_twin(make, gen):
+    """A launch of few rows on a GPU gives its programs fewer rows each (launch_block_rows): the same
+    results at 1 and 2 rows a program; refused for a kernel whose tl.dot needs its 16."""
+    kernel = program_kernel.generate_kernel(make(200, gen), 200)[0]
+    assert not kernel.plan.dots and kernel.plan.block_rows > 2
+    for block_rows in (1, 2):
+        run_both(make, 200, torch.float32, gen, block_rows=block_rows)
+
+
+def test_a_launch_of_few_rows_on_a_gpu_gives_its_programs_fewer(gen, monkeypatch):
+    """launch_block_rows: every SM a program where the rows allow it; tl.dot's 16 rows kept; the
+    plan's rows on the CPU."""
+    monkeypatch.setattr(program_kernel, "sm_count", lambda device: 132)
+    gate, sae = (program_kernel.generate_kernel(make(4096, gen), 4096)[0].plan for make in (matmul_gate, sae_feature_read))
+    gpu = torch.device("cuda", 0)
+    assert gate.block_rows == 4 and sae.block_rows == 16 and sae.dots
+    assert [program_kernel.launch_block_rows(gate, R, gpu) for R in (1, 32, 256, 264, 528, 4096)] == [1, 1, 1, 2, 4, 4]
+    assert program_kernel.launch_block_rows(sae, 32, gpu) == 16
+    assert program_kernel.launch_block_rows(gate, 32, torch.device("cpu")) == 4
+
+
+def test_fewer_rows_for_tl_dot_or_not_a_power_of_two_are_refused(gen):
+    x, rows = randn(4, 64, gen=gen), torch.arange(4, dtype=torch.int32)
+    program = sae_clamp(64, gen)
+    kernel = program_kernel.generate_kernel(program, 64)[0]
+    assert kernel.plan.dots
+    with pytest.raises(ValueError, match="block_rows=4: this kernel takes 16 rows a program$"):
+        kernel(x, rows, program, None, block_rows=4)
+    program = steering_gate(64, gen)
+    with pytest.raises(ValueError, match="block_rows=3: .* or fewer in a power of two"):
+        program_kernel.generate_kernel(program, 64)[0](x, rows, program, None, block_rows=3)
 
 
 @pytest.mark.parametrize("F, k", [(64, 256), (96, 200)])
@@ -378,27 +417,7 @@ def test_a_write_with_a_renorm_normalises_the_rows_it_wrote(make, dtype, gen):
     assert_matches(written[program_kernel.run_program], written[program_torch.run_program_torch], noise=1e-4)
 
 
-# --- matmuls of x split over programs (split_matmul.py) -----------------------------------------------
-def test_partial_products_sum_to_the_matmul(gen):
-    """Each chunk's product lands in its partial at its column; a -1 row's partials are zeros, the
-    columns beside are left alone; the chunks sum to x[rows] @ W."""
-    F, N, R, S, column = 600, 40, 21, 4, 8
-    x, W = randn(30, F, gen=gen), randn(F, N, gen=gen) / F**0.5
-    rows = random_subset(30, R, gen)
-    rows[3] = -1
-    partial = torch.full((S, R, column + N + 5), SENTINEL)
-    split_matmul.partial_products(x, rows, W, partial, column)
-    live = rows >= 0
-    tile = program_format.dot_tile(N, 16)
-    chunk = triton.cdiv(triton.cdiv(F, S), tile) * tile
-    for s in range(S):
-        features = slice(s * chunk, (s + 1) * chunk)
-        torch.testing.assert_close(partial[s, live, column:column + N], x[rows[live].long(), features] @ W[features],
-                                   rtol=1e-5, atol=1e-5)
-    assert (partial[:, ~live, column:column + N] == 0).all()
-    assert (partial[..., :column] == SENTINEL).all() and (partial[..., column + N:] == SENTINEL).all()
-
-
+# --- matmuls of x split over programs, summed by the last to arrive (split_matmul.py) -----------------------------------------------
 SPLIT = [lambda F, gen: sae_feature_read(F, gen, k=64), sae_reconstruction, sae_clamp]
 
 
@@ -429,6 +448,28 @@ def test_split_matmuls_match_the_twin(make, split_k, gen):
         kernel(x, rows, program, None, unsplit, dest, split_k=1)
     assert_matches(split, expected)
     torch.testing.assert_close(split, unsplit, rtol=1e-5, atol=1e-5)
+    assert not split_matmul.arrival_counters(x.device).any(), "a launch leaves the arrival counters at zero"
+
+
+def test_a_split_launch_of_gated_off_rows_leaves_everything_alone(gen):
+    """Every row -1 (an idle step): no program stores a partial, counts in or writes."""
+    F, T = 600, 40
+    program = sae_clamp(F, gen)
+    kernel, _ = program_kernel.generate_kernel(program, F)
+    x = randn(T, F, gen=gen)
+    y = x.clone()
+    kernel(y, torch.full((27,), -1, dtype=torch.int32), program, None, split_k=4)
+    assert torch.equal(y, x) and not split_matmul.arrival_counters(x.device).any()
+
+
+def test_a_launch_of_too_many_row_blocks_to_split_is_refused(gen):
+    F = 600
+    program = sae_feature_read(F, gen, k=64)
+    kernel, _ = program_kernel.generate_kernel(program, F)
+    R = (split_matmul.ARRIVAL_COUNTERS + 1) * kernel.plan.block_rows
+    x, rows = randn(R, F, gen=gen), torch.arange(R, dtype=torch.int32)
+    with pytest.raises(ValueError, match="does not split its matmuls"):
+        kernel(x, rows, program, None, torch.zeros(R, 64), rows, split_k=2)
 
 
 # --- what is refused ---------------------------------------------------------------------------------
@@ -468,7 +509,7 @@ def sm90_job(make, F, write, renorm=False):
     """What compiling make(F)'s kernel for an sm_90 GPU (H100, H200) with bf16 x takes."""
     kernel, _ = program_kernel.generate_kernel(make(F, torch.Generator().manual_seed(0)), F)
     plan = kernel.plan
-    pointers = {"x_ptr": "*bf16", "rows_ptr": "*i32", "table_index_ptr": "*i32", "dest_ptr": "*i32",
+    pointers = {"x_ptr": "*bf16", "rows_ptr": "*i32", "table_index_ptr": "*i32", "dest_ptr": "*i32", "arrivals_ptr": "*i32",
                 "out_ptr": "*bf16" if write else "*fp32", "scratch_ptr": "*fp32", "weight_ptr": "*bf16", "eps": "fp32"}
     signature = {name: pointers.get(name, "*fp32" if name.endswith("_ptr") else "i32") for name in kernel.fn.arg_names}
     for m, (i, _) in enumerate(plan.numbers):
@@ -477,21 +518,10 @@ def sm90_job(make, F, write, renorm=False):
     if plan.writable:
         constexprs["RENORM"] = renorm
     if plan.split:  # as a decode step's launch splits it
-        constexprs.update(SPLIT_K=split_matmul.MAX_SPLIT, SPLIT_WIDTH=plan.split_width)
+        constexprs.update(SPLIT_K=split_matmul.MAX_SPLIT, SPLIT_WIDTH=plan.split_width,
+                          SPLIT_CHUNK=split_matmul.split_chunk(F, split_matmul.MAX_SPLIT))
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     return str(kernel.path), "program_kernel", signature, constexprs, plan.num_warps
-
-
-def partial_products_job(F, N):
-    """Compiling split_matmul's kernel as the launcher calls it for an F x N matmul, bf16 x."""
-    fn = split_matmul.partial_products_kernel
-    pointers = {"x_ptr": "*bf16", "rows_ptr": "*i32"}
-    signature = {name: pointers.get(name, "*fp32" if name.endswith("_ptr") else "i32") for name in fn.arg_names}
-    tile = program_format.dot_tile(N, 16)
-    constexprs = {"N": N, "LANES": triton.next_power_of_2(N), "PARTIAL_WIDTH": N, "TILE": tile,
-                  "CHUNK": triton.cdiv(F // split_matmul.MAX_SPLIT, tile) * tile, "BLOCK_ROWS": 16}
-    signature.update(dict.fromkeys(constexprs, "constexpr"))
-    return split_matmul.__name__, "partial_products_kernel", signature, constexprs, 4
 
 
 def affine_write_row_job(F, K, renorm):
@@ -534,7 +564,7 @@ def test_kernels_compile_for_a_gpu():
     for name in ("gelu", "tanh", "pow 1.5", "pow 7", "pow -0.5", "logical_or", "unsqueeze", "min", "clamp high"):
         jobs.append(sm90_job(lambda F, gen: one_op(name, F, gen), 96, False))
     jobs += [sm90_job(make, 200 if make is steering_gate else 64, True, renorm=True) for make in (steering_gate, sae_clamp)]
-    jobs += [sm90_job(sae_feature_read, 4096, False), partial_products_job(4096, 64), partial_products_job(600, 40)]
+    jobs += [sm90_job(sae_feature_read, 4096, False), sm90_job(sae_reconstruction, 600, False)]
     jobs += [affine_write_row_job(4096, K, renorm) for K, renorm in ((0, True), (1, True), (1, False))]
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", COMPILE], input=json.dumps(jobs), env=env, capture_output=True,

@@ -4,7 +4,8 @@
 
 The CPU tests' programs (tests/test_generated_kernels.py; the CPU runs them in Triton's
 interpreter) at their test widths and at an 8B model's width (4096): the SAE encoder read
-`x @ W_enc` takes the tl.dot path there, a gate's `x @ u` narrow tiles over row blocks of 4. x in fp32 and bf16, some rows gated off (-1).
+`x @ W_enc` takes the tl.dot path there (split over programs at 32 rows, summed by the last to
+arrive), a gate's `x @ u` narrow tiles over row blocks of 4 (1 at 32 rows). x in fp32 and bf16, some rows gated off (-1).
 Checked as the CPU tests check (tests/kernel_checks.py: fp32 ~1e-5 relative, bf16 one ulp).
 """
 import json
@@ -18,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the prog
 import test_generated_kernels as programs  # noqa: E402
 from kernel_checks import assert_matches  # noqa: E402
 from xmix_lens.kernels import generate_kernel, run_program, run_program_torch  # noqa: E402
+from xmix_lens.kernels.program_kernel import launch_block_rows  # noqa: E402
 from xmix_lens.kernels.split_matmul import split_count  # noqa: E402
 from xmix_lens.lowered import TokenProgram  # noqa: E402
 
@@ -34,7 +36,7 @@ def check(make, F: int, dtype: torch.dtype, R: int = R) -> dict:
     rows[::7] = -1  # gated off
     rows = rows.to(DEVICE)
     kernel, _ = generate_kernel(program, F)
-    entry = {"F": F, "dtype": str(dtype), "rows": R, "block_rows": kernel.plan.block_rows,
+    entry = {"F": F, "dtype": str(dtype), "rows": R, "block_rows": launch_block_rows(kernel.plan, R, x.device),
              "tl_dot": "tl.dot" in kernel.path.read_text(),
              "split_k": split_count(F, R, x.device) if kernel.plan.split else 1}
     if make in programs.WRITES:
@@ -67,7 +69,8 @@ def main(out: str) -> bool:
         for F in ([64, *wide] if sae else [200, *wide]):  # 4096: row blocks of 4, narrow matmuls in tiles
             for dtype in (torch.float32, torch.bfloat16):
                 results[f"{make.__name__} F={F} {dtype}"] = check(make, F, dtype)
-                if sae and F > 64:  # a decode step's rows: its matmuls of x split the most (split_matmul.py)
+                if F == 4096:  # a decode step's rows: SAEs split their matmuls of x the most (split_matmul.py),
+                    # the others take one row a program (program_kernel.launch_block_rows)
                     results[f"{make.__name__} F={F} {dtype} R=32"] = check(make, F, dtype, R=32)
     results["_device"] = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (interpreter)"
     Path(out).write_text(json.dumps(results, indent=1))

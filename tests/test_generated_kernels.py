@@ -451,6 +451,14 @@ def test_split_matmuls_match_the_twin(make, split_k, gen):
     assert not split_matmul.arrival_counters(x.device).any(), "a launch leaves the arrival counters at zero"
 
 
+def test_split_count_gives_each_sm_two_programs_at_most(monkeypatch):
+    monkeypatch.setattr(split_matmul, "sm_count", lambda device: 132)
+    gpu = torch.device("cuda", 0)
+    assert [split_matmul.split_count(4096, R, gpu) for R in (32, 256, 512, 2048, 4096)] == [16, 16, 8, 2, 1]
+    assert split_matmul.split_count(1024, 32, gpu) == 4  # shares of MIN_CHUNK features at least
+    assert split_matmul.split_count(4096, 32, torch.device("cpu")) == 1
+
+
 def test_a_split_launch_of_gated_off_rows_leaves_everything_alone(gen):
     """Every row -1 (an idle step): no program stores a partial, counts in or writes."""
     F, T = 600, 40

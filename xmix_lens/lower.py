@@ -147,7 +147,9 @@ class Lowerer:
             picked = x if a.features is None else Expr("matmul", (x, _onehot(a.features, F)), a.O, a.version, a.span,
                                                        a.feature_shape)
             terms.append(Expr("mul", (picked, a.scale), a.O, a.version, a.span, a.feature_shape))
-        if a.U.shape[1]:
+        if a.U.shape[1] >= a.O:  # not low rank (`act @ W`: U = W, V = I): one matmul by U @ V
+            terms.append(Expr("matmul", (x, a.U @ a.V), a.O, a.version, a.span, a.feature_shape))
+        elif a.U.shape[1]:
             low = Expr("matmul", (x, a.U), a.U.shape[1], a.version, a.span, a.feature_shape)
             terms.append(Expr("matmul", (low, a.V), a.O, a.version, a.span, a.feature_shape))
         out = None

@@ -33,12 +33,14 @@ a 4096-wide dot product is 2 tiles, not 4096 dependent loads (the bench apps' tw
 took 0.37 ms of every H200 decode step that way, whatever the batch). The result is
 materialised whole: relu(x @ W_enc + b) @ W_dec holds the k SAE features of BLOCK_ROWS tokens
 at once, which is what keeps topk_mask (a whole-row decision) correct. BLOCK_ROWS shrinks as
-values widen (16 rows up to 1024 lanes, 4 at 4096, 2 at 8192). A launch runs at most
-PROGRAMS_PER_SM programs per SM, program p taking row blocks p, p + programs, ..., so that the
-scratch (programs x BLOCK_ROWS x the staged inputs' widths, fp32) stays bounded. A launch of too
-few row blocks to fill the GPU (a decode step) splits each tl.dot matmul of x over programs
-(split_matmul.py: SPLIT_K programs a row block store partial products, and the last of them to
-arrive sums them in order and runs the rest of the program, in the same launch).
+values widen (16 rows up to 1024 lanes, 4 at 4096, 2 at 8192); a launch of too few rows to give
+every SM a program takes fewer a program (launch_block_rows: 1 at a decode step), where no tl.dot
+needs 16. A launch runs at most PROGRAMS_PER_SM programs per SM, program p taking row blocks p,
+p + programs, ..., so that the scratch (programs x BLOCK_ROWS x the staged inputs' widths, fp32)
+stays bounded. A launch of too few row blocks to fill the GPU (a decode step) splits each tl.dot
+matmul of x over programs (split_matmul.py: SPLIT_K programs a row block store partial products,
+and the last of them to arrive sums them in order and runs the rest of the program, in the same
+launch).
 
 Limits (program_format.py; each raises NotImplementedError naming the op):
   * a value of at most MAX_LANES features (F and every n, matmul outputs included)

@@ -513,23 +513,25 @@ def test_limits_are_named(gen):
 
 
 # --- the real compiler ---------------------------------------------------------------------------
-def sm90_job(make, F, write, renorm=False):
-    """What compiling make(F)'s kernel for an sm_90 GPU (H100, H200) with bf16 x takes."""
+def sm90_job(make, F, write, renorm=False, block_rows=None):
+    """What compiling make(F)'s kernel for an sm_90 GPU (H100, H200) with bf16 x takes (at
+    `block_rows` rows a program: the plan's by default)."""
     kernel, _ = program_kernel.generate_kernel(make(F, torch.Generator().manual_seed(0)), F)
     plan = kernel.plan
+    block_rows = block_rows or plan.block_rows
     pointers = {"x_ptr": "*bf16", "rows_ptr": "*i32", "table_index_ptr": "*i32", "dest_ptr": "*i32", "arrivals_ptr": "*i32",
                 "out_ptr": "*bf16" if write else "*fp32", "scratch_ptr": "*fp32", "weight_ptr": "*bf16", "eps": "fp32"}
     signature = {name: pointers.get(name, "*fp32" if name.endswith("_ptr") else "i32") for name in kernel.fn.arg_names}
     for m, (i, _) in enumerate(plan.numbers):
         signature[f"s{m}"] = "i32" if plan.ops[i][0] == "topk_mask" else "fp32"
-    constexprs = {"WRITE": write, "BLOCK_ROWS": plan.block_rows, "SCRATCH_WIDTH": plan.scratch_width}
+    constexprs = {"WRITE": write, "BLOCK_ROWS": block_rows, "SCRATCH_WIDTH": plan.scratch_width}
     if plan.writable:
         constexprs["RENORM"] = renorm
     if plan.split:  # as a decode step's launch splits it
         constexprs.update(SPLIT_K=split_matmul.MAX_SPLIT, SPLIT_WIDTH=plan.split_width,
                           SPLIT_CHUNK=split_matmul.split_chunk(F, split_matmul.MAX_SPLIT))
     signature.update(dict.fromkeys(constexprs, "constexpr"))
-    return str(kernel.path), "program_kernel", signature, constexprs, plan.num_warps
+    return str(kernel.path), "program_kernel", signature, constexprs, plan.warps(block_rows)
 
 
 def affine_write_row_job(F, K, renorm):
@@ -573,6 +575,7 @@ def test_kernels_compile_for_a_gpu():
         jobs.append(sm90_job(lambda F, gen: one_op(name, F, gen), 96, False))
     jobs += [sm90_job(make, 200 if make is steering_gate else 64, True, renorm=True) for make in (steering_gate, sae_clamp)]
     jobs += [sm90_job(sae_feature_read, 4096, False), sm90_job(sae_reconstruction, 600, False)]
+    jobs += [sm90_job(matmul_gate, 4096, True, renorm=True, block_rows=1), sm90_job(softmax_dot, 4096, False, block_rows=2)]
     jobs += [affine_write_row_job(4096, K, renorm) for K, renorm in ((0, True), (1, True), (1, False))]
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", COMPILE], input=json.dumps(jobs), env=env, capture_output=True,

@@ -29,8 +29,10 @@ among decodes: where P99 ITL falls) of each workload are
 profiled on native vLLM and with the seven apps active (decode steps also on the production
 engine with no app chosen: what installed-idle costs): every CUDA kernel's time and launches,
 xmix-lens's own and the step's total, and on the host the step's wall time and the CUDA runtime
-calls (those inside prepare_step apart); and each installed op's kernel at each workload's decode
-batch against its floor (bench/kernels.py).
+calls (those inside prepare_step apart); each installed op's kernel at each workload's decode
+batch against its floor (bench/kernels.py); and, before any run, decode steps of native and of the
+idle production engine in turn, twice (`fresh_decode_steps`: vLLM's own kernels on engines whose KV
+pools have no history; `--kv-blocks` makes the pools one size).
 """
 import argparse
 import gc
@@ -105,6 +107,8 @@ def engine_kwargs(args) -> dict:
               "enable_prefix_caching": False}
     if args.dummy:
         kwargs["load_format"] = "dummy"
+    if args.kv_blocks:  # KV pools of one size (by default each engine's is what its free memory holds)
+        kwargs["num_gpu_blocks_override"] = args.kv_blocks
     if args.eager_engines:
         kwargs["enforce_eager"] = True
     if args.tensor_parallel_size > 1:  # vLLM's worker processes, one per GPU, for every engine
@@ -472,6 +476,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--max-model-len", type=int, default=512)
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="every engine's TP ranks (GPUs)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.2)
+    parser.add_argument("--kv-blocks", type=int, default=None,
+                        help="every engine's KV cache this many blocks (vLLM's num_gpu_blocks_override): equal pools")
     parser.add_argument("--profile", action="store_true",
                         help="profile decode and prefill steps natively and with seven apps (kernels, host calls)")
     parser.add_argument("--steer-std", type=float, default=None,
@@ -508,6 +514,15 @@ def main(argv=None) -> dict:
         result["kernel_floors"] = resident_kernel_times(
             runtime.control, getattr(torch, args.dtype), [table[w][0] for w in args.workloads.split(",")],
             renormalized_sites(runtime.family, production.cfg.n_layers, runtime.site_id))
+        # decode steps of native and of the idle production engine, alternately, before any run: vLLM's
+        # own kernels compared on engines whose KV pools have no history yet (each workload's profiles
+        # come after its runs)
+        n, in_len, _ = table[args.workloads.split(",")[0]]
+        batch = torch.randint(100, vocab - 100, (n, in_len), generator=torch.Generator().manual_seed(4321)).tolist()
+        result["fresh_decode_steps"] = [
+            {"mode": mode, **step_profile(set_mode(engines, app_names, mode), batch, control_plane(engines, mode))}
+            for mode in ("native", "installed_idle") * 2]
+        reset(engines, app_names)
         write_result(result, args.out)
     for workload in args.workloads.split(","):
         n, in_len, out_len = table[workload]

@@ -39,7 +39,7 @@ def engines_shut_down(monkeypatch):
 def test_harness_runs_every_mode_and_the_modes_do_what_they_claim(tmp_path):
     out = tmp_path / "toy.json"
     serving.main(["--model", str(tiny_llama()), "--toy", "--eager-engines", "--repeats", "2",
-                  "--max-model-len", "128", "--dtype", "float32", "--profile", "--out", str(out)])
+                  "--max-model-len", "128", "--dtype", "float32", "--profile", "--kv-blocks", "64", "--out", str(out)])
     assert gc.get_freeze_count() == 0  # each run froze the heap; the bench unfroze it (its engines collectable)
     result = json.loads(out.read_text())
     assert result["steer_std"] == 0.05  # a real model's (not --dummy)
@@ -81,6 +81,14 @@ def test_harness_runs_every_mode_and_the_modes_do_what_they_claim(tmp_path):
     assert [r["read_chunks_made"] for r in decode["runs"]["seven"]] in ([0, 0], [1, 0])
     assert all(r["read_chunks_made"] == 0 for r in decode["runs"]["installed_idle"])
     assert "host_ms_per_step" not in decode["summary"]["native"]
+    # --kv-blocks: one pool size for every engine
+    capacity = set(result["kv_capacity_tokens"].values())
+    assert len(result["kv_capacity_tokens"]) == 4 and len(capacity) == 1 and capacity.pop() % 64 == 0
+    # before any run, native and the idle production engine in turn, the latter's control plane inside its steps
+    fresh = result["fresh_decode_steps"]
+    assert [p["mode"] for p in fresh] == ["native", "installed_idle"] * 2
+    assert all(p["per_step_of"] == serving.PROFILED_STEPS and p["host"]["step_wall_us"] > 0 for p in fresh)
+    assert all(("prepare_step_us" in p["host"]) == (p["mode"] == "installed_idle") for p in fresh)
     # the production engine's decode steps with no app chosen, profiled as the seven apps' are
     idle = decode["decode_step_idle"]
     assert idle["per_step_of"] == serving.PROFILED_STEPS and 0 < idle["host"]["prepare_step_us"] < idle["host"]["step_wall_us"]

@@ -107,10 +107,6 @@ class Plan:
         return min(16, max(4, block_rows * self.widest // 1024, self.widest // 512))
 
     @property
-    def num_warps(self) -> int:
-        return self.warps(self.block_rows)
-
-    @property
     def writable(self) -> bool:
         """Whether the result can be written back: of shape (F,), as the site's row."""
         return self.ops[self.output][2] == (self.F,)

@@ -255,9 +255,9 @@ class Source:
         stores = []
         for i, column in plan.split:
             n, const = plan.widths[i], plan.ops[i][1][1]
-            stores.append(f"store_partial_product(x_ptr, x_row_stride, rows, live, entries, R, c{const}_ptr, partial_ptr, "
-                          f"partial_split_stride, {plan.F}, {n}, {triton.next_power_of_2(n)}, {column}, SPLIT_WIDTH, "
-                          f"SPLIT_CHUNK, {dot_tile(n, plan.block_rows)}, BLOCK_ROWS)")
+            stores.append(f"store_partial_product(x_ptr, x_row_stride, rows, live, entries, R, c{const}_ptr, "
+                          f"partial_ptr, partial_split_stride, {plan.F}, {n}, {triton.next_power_of_2(n)}, "
+                          f"{column}, SPLIT_WIDTH, SPLIT_CHUNK, {dot_tile(n, plan.block_rows)}, BLOCK_ROWS)")
         return [
             "if SPLIT_K > 1:  # this program's share of the matmuls of x; the block's last to arrive goes on",
             "    if busy:",
@@ -312,7 +312,8 @@ class Source:
             *([f"    {', '.join(numbers)},"] if numbers else []),
             "    WRITE: tl.constexpr, BLOCK_ROWS: tl.constexpr, SCRATCH_WIDTH: tl.constexpr,",
             *(["    RENORM: tl.constexpr,"] if writable else []),
-            *(["    SPLIT_K: tl.constexpr, SPLIT_WIDTH: tl.constexpr, SPLIT_CHUNK: tl.constexpr,"] if plan.split else []),
+            *(["    SPLIT_K: tl.constexpr, SPLIT_WIDTH: tl.constexpr, SPLIT_CHUNK: tl.constexpr,"]
+              if plan.split else []),
             "):",
             *("    " + line for line in setup),
             "    # Program p takes row blocks p, p + num_programs, ...: a bounded grid bounds the scratch.",

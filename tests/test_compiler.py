@@ -147,6 +147,26 @@ def test_generated_reads():
     assert torch.allclose(reads[1], act[:, 1].amax(-1), atol=1e-6)
 
 
+def test_a_projection_in_a_program_is_one_matmul_a_low_rank_term_two():
+    """`relu(act @ W + b)` takes one matmul by W (not `(x @ W) @ I`, which made the SAE read stage
+    a second matmul through scratch); a low-rank term inside a nonlinearity keeps its two."""
+    kept = {}
+    b = torch.randn(12, generator=torch.Generator().manual_seed(8))
+
+    def hook(act, hook):
+        kept["features"] = torch.relu(act @ W_ENC + b)
+        kept["projected_out"] = torch.relu(act - (act @ d)[..., None] * d)
+
+    act = torch.randn(B, P, F, generator=torch.Generator().manual_seed(9))
+    _, reads, _, ops = run_lowered([hook], act)
+    assert torch.allclose(reads[0], torch.relu(act @ W_ENC + b), atol=1e-5)
+    assert torch.allclose(reads[1], torch.relu(act - (act @ d)[..., None] * d), atol=1e-5)
+    features, projected_out = ([program.consts[o.args[1]] for o in program.ops if o.op == "matmul"]
+                               for program in (op.program for op in ops))
+    assert len(features) == 1 and torch.equal(features[0], W_ENC)
+    assert [tuple(W.shape) for W in projected_out] == [(F, 1), (1, F)]
+
+
 H, DH = 4, 8
 
 

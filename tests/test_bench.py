@@ -54,6 +54,7 @@ def test_harness_runs_every_mode_and_the_modes_do_what_they_claim(tmp_path):
             decode["summary"]["native"]["mean_itl_ms"]["median"]
     same = decode["tokens_equal_native"]
     assert all(same["installed_idle"]) and all(same["armed_idle"])  # idle apps and sites change nothing
+    assert all(same["native_twin"])  # a second native engine: the same tokens (it differs only in where it lies)
     assert not any(same["steer"]) and not any(same["seven"])  # active apps do change the output
     assert all(same["steer_vs_eager_hook"])  # the installed steering app equals a torch forward hook
     for mode in ("installed_idle", "steer", "seven"):  # the control plane's host time per step
@@ -83,10 +84,11 @@ def test_harness_runs_every_mode_and_the_modes_do_what_they_claim(tmp_path):
     assert "host_ms_per_step" not in decode["summary"]["native"]
     # --kv-blocks: one pool size for every engine
     capacity = set(result["kv_capacity_tokens"].values())
-    assert len(result["kv_capacity_tokens"]) == 4 and len(capacity) == 1 and capacity.pop() % 64 == 0
-    # before any run, native and the idle production engine in turn, the latter's control plane inside its steps
+    assert len(result["kv_capacity_tokens"]) == 5 and len(capacity) == 1 and capacity.pop() % 64 == 0
+    # before any run, the native engines and the idle production engine in turn, the latter's control
+    # plane inside its steps
     fresh = result["fresh_decode_steps"]
-    assert [p["mode"] for p in fresh] == ["native", "installed_idle"] * 2
+    assert [p["mode"] for p in fresh] == ["native", "native_twin", "installed_idle"] * 2
     assert all(p["per_step_of"] == serving.PROFILED_STEPS and p["host"]["step_wall_us"] > 0 for p in fresh)
     assert all(("prepare_step_us" in p["host"]) == (p["mode"] == "installed_idle") for p in fresh)
     # the production engine's decode steps with no app chosen, profiled as the seven apps' are

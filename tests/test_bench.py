@@ -117,7 +117,7 @@ def test_harness_runs_every_mode_and_the_modes_do_what_they_claim(tmp_path):
         assert row["bytes"] >= row["tokens"] * row["features"] * 4  # x's rows at least, fp32 here
     assert result["command"].startswith("python -m bench.serving")
     # whether a workload fits each engine's KV cache (else preemption makes the timings vary)
-    assert set(result["kv_capacity_tokens"]) == {"native", "production", "research", "eager"}
+    assert set(result["kv_capacity_tokens"]) == {"native", "native_twin", "production", "research", "eager"}
     assert all(tokens > 0 for tokens in result["kv_capacity_tokens"].values())
     assert set(result["async_scheduling"]) == set(result["kv_capacity_tokens"])  # each engine's, as vLLM set it
     assert all(isinstance(on, bool) for on in result["async_scheduling"].values())

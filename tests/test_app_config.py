@@ -148,25 +148,40 @@ def test_reads_leave_the_logits_as_they_are_in_bf16():
 
 
 def test_uncompiled_steps_run_vllms_platform_kernels(served):
-    """Once the engine is up, vLLM's custom ops that the compiled model fused from their torch-native
-    forwards run their platform kernels in uncompiled steps (a call's hooks), as an enforce_eager
-    engine runs them; the hooked call computes what it computed with the native forwards."""
+    """vLLM's custom ops that the compiled model fused from their torch-native forwards run their
+    platform kernels in uncompiled steps (a call's hooks), as an enforce_eager engine runs them, and
+    in those steps only: between steps each keeps the forward the compiled graph traced, so that an
+    engine built later in the process, which vLLM hands the same rotary embedding (get_rope caches
+    them), traces it as native vLLM does. The hooked call computes what it computed with the native
+    forwards."""
     from vllm.model_executor.custom_op import CustomOp
+    from vllm.model_executor.layers.rotary_embedding import _ROPE_DICT
 
     model = served["tiny-llama"]
     vllm_model = model.engine.runtime.model_runner.model
     ops = [m for m in vllm_model.modules() if isinstance(m, CustomOp) and type(m).forward_cpu is not CustomOp.forward_cpu]
-    assert ops, "the tiny Llama has custom ops with CPU kernels (SiluAndMul)"
-    assert all(m._forward_method == m.forward_cpu for m in ops)
+    rotary = next(m for m in ops if any(m is shared for shared in _ROPE_DICT.values()))  # get_rope's
+    assert not any(m._forward_method == m.forward_cpu for m in ops)  # between steps: what the graph traced
+    traced = [m._forward_method for m in ops]
     hooks = [("blocks.0.hook_mlp_out", lambda act, hook: act * 0.5)]
-    platform = model.run_with_hooks(PROMPTS, fwd_hooks=hooks)
-    for m in ops:
-        m._forward_method = m.forward_native
+    ran = []
+
+    def counted(m):
+        kernel = m.forward_cpu
+        return lambda *args, **kwargs: ran.append(type(m).__name__) or kernel(*args, **kwargs)
+
     try:
+        for m in ops:  # the platform kernel an uncompiled step switches to, looked up on the instance
+            m.forward_cpu = counted(m)
+        platform = model.run_with_hooks(PROMPTS, fwd_hooks=hooks)
+        assert {type(rotary).__name__, "SiluAndMul"} <= set(ran)  # (a kernel may call its submodules' own)
+        assert [m._forward_method for m in ops] == traced
+        for m in ops:
+            m.forward_cpu = m.forward_native
         native = model.run_with_hooks(PROMPTS, fwd_hooks=hooks)
     finally:
         for m in ops:
-            m._forward_method = m.forward_cpu
+            m.__dict__.pop("forward_cpu", None)
     torch.testing.assert_close(platform, native, rtol=1e-4, atol=1e-4)
 
 

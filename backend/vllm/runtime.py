@@ -15,6 +15,7 @@ Under tensor parallelism each worker runs its own runtime over its shard of the 
 (sharding.py places each op for the rank); the driver calls the methods under "what the driver
 calls" directly (one process) or as collective RPCs (remote.py), and rank 0 answers.
 """
+import contextlib
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -132,6 +133,9 @@ class SiteRuntime:
         # every value it returns (a site's values are exact in it; half the bytes of fp32 in bf16)
         self.read_dtype = read_dtype
         self.model_runner = None  # bound by the facade: where the step's request order comes from
+        # the platform kernels of vLLM's custom ops for an uncompiled step (adapter.PlatformKernels,
+        # bound by the facade once the engine is up; a served engine runs no uncompiled step)
+        self.uncompiled_kernels = contextlib.nullcontext
         self.device = device  # the engine's device, where lowered ops' tensors go
         # tensor parallelism: this worker's rank, and the whole width of each sharded site (None:
         # a site vLLM does not split in blocks, e.g. KV heads replicated over more ranks than heads)

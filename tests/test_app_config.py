@@ -151,16 +151,16 @@ def test_uncompiled_steps_run_vllms_platform_kernels(served):
     """vLLM's custom ops that the compiled model fused from their torch-native forwards run their
     platform kernels in uncompiled steps (a call's hooks), as an enforce_eager engine runs them, and
     in those steps only: between steps each keeps the forward the compiled graph traced, so that an
-    engine built later in the process, which vLLM hands the same rotary embedding (get_rope caches
-    them), traces it as native vLLM does. The hooked call computes what it computed with the native
+    engine built later in the process, which vLLM hands the same rotary embedding while this one is
+    up (get_rope caches them), traces it as native vLLM does. The hooked call computes what it computed with the native
     forwards."""
     from vllm.model_executor.custom_op import CustomOp
-    from vllm.model_executor.layers.rotary_embedding import _ROPE_DICT
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbeddingBase
 
     model = served["tiny-llama"]
     vllm_model = model.engine.runtime.model_runner.model
     ops = [m for m in vllm_model.modules() if isinstance(m, CustomOp) and type(m).forward_cpu is not CustomOp.forward_cpu]
-    rotary = next(m for m in ops if any(m is shared for shared in _ROPE_DICT.values()))  # get_rope's
+    rotary = next(m for m in ops if isinstance(m, RotaryEmbeddingBase))
     assert not any(m._forward_method == m.forward_cpu for m in ops)  # between steps: what the graph traced
     traced = [m._forward_method for m in ops]
     hooks = [("blocks.0.hook_mlp_out", lambda act, hook: act * 0.5)]

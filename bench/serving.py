@@ -347,23 +347,31 @@ def reset(engines, app_names) -> None:
         engines["production"].engine.runtime.clear_results()
 
 
+def against(values: list[float], base: list[float]) -> dict:
+    """A mode's repeats against a baseline's: the ratio of their medians; the median of each repeat
+    against the baseline's of the same repeat (modes alternate: a drift of the machine between
+    repeats cancels); the noise, the relative spread (max - min) / median of either's repeats."""
+    ratio = statistics.median(values) / statistics.median(base)
+    noise = max((max(v) - min(v)) / statistics.median(v) for v in (values, base))
+    return {"ratio": ratio, "paired_ratio": statistics.median(v / b for v, b in zip(values, base)),
+            "noise": noise, "within_noise": abs(ratio - 1) <= noise}
+
+
 def summarise(runs: dict) -> dict:
+    """Per mode and metric, its repeats against native's; with a native twin, also against the
+    twin's (`against_twin`: a second native engine, the distance two engines of one build keep)."""
     metrics = ["mean_itl_ms", "p99_itl_ms", "mean_ttft_ms", "throughput_tok_s", "decode_itl_ms", "decode_p99_itl_ms"]
     summary = {}
-    native = {m: [r[m] for r in runs["native"]] for m in metrics}
     for mode, repeats in runs.items():
         row = {}
         for m in metrics:
             values = [r[m] for r in repeats]
-            med, base = statistics.median(values), statistics.median(native[m])
-            ratio = med / base
-            # each repeat against native's of the same repeat (modes alternate: a drift of the machine
-            # between repeats cancels)
-            paired = statistics.median(v / n for v, n in zip(values, native[m]))
-            # the noise: the relative spread (max - min) / median of either mode's repeats
-            noise = max((max(v) - min(v)) / statistics.median(v) for v in (values, native[m]))
-            row[m] = {"median": med, "min": min(values), "max": max(values), "ratio_to_native": ratio,
-                      "paired_ratio": paired, "noise": noise, "within_noise": abs(ratio - 1) <= noise}
+            vs_native = against(values, [r[m] for r in runs["native"]])
+            row[m] = {"median": statistics.median(values), "min": min(values), "max": max(values),
+                      "ratio_to_native": vs_native["ratio"], "paired_ratio": vs_native["paired_ratio"],
+                      "noise": vs_native["noise"], "within_noise": vs_native["within_noise"]}
+            if "native_twin" in runs and mode not in ("native", "native_twin"):
+                row[m]["against_twin"] = against(values, [r[m] for r in runs["native_twin"]])
         for field in HOST_FIELDS:
             host = [r[field] for r in repeats if r.get(field) is not None]
             if host:

@@ -52,6 +52,10 @@ def test_harness_runs_every_mode_and_the_modes_do_what_they_claim(tmp_path):
             assert row[metric]["median"] > 0 and row[metric]["min"] <= row[metric]["median"] <= row[metric]["max"]
         assert row["mean_itl_ms"]["ratio_to_native"] == row["mean_itl_ms"]["median"] / \
             decode["summary"]["native"]["mean_itl_ms"]["median"]
+        twin = decode["summary"]["native_twin"]["mean_itl_ms"]["median"]
+        assert (mode in ("native", "native_twin")) != ("against_twin" in row["mean_itl_ms"])
+        if "against_twin" in row["mean_itl_ms"]:  # each xmix-lens mode against the second native engine too
+            assert row["mean_itl_ms"]["against_twin"]["ratio"] == row["mean_itl_ms"]["median"] / twin
     same = decode["tokens_equal_native"]
     assert all(same["installed_idle"]) and all(same["armed_idle"])  # idle apps and sites change nothing
     assert all(same["native_twin"])  # a second native engine: the same tokens (it differs only in where it lies)

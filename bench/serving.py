@@ -5,11 +5,11 @@
 
 Engines (all in-process, as the facade runs vLLM; one of each, built once):
   native       vLLM's LLM, CUDA graphs on
-  native_twin  a second native LLM, built after the others (native_twin): two engines of the same
-               build differ where their weights, KV pool and graph buffers land in GPU memory, and
-               vLLM's own kernels run up to 2% apart between them for it, consistently within one
-               pair (session 24); its ratio to native is that floor under "within noise", which the
-               repeats on one pair of engines do not show
+  native_twin  a second native LLM, built after the others (native_twin): two engines of one
+               build ran vLLM's own kernels up to 2% apart, consistently within one pair (session
+               24: FlashAttention a step 9-11 us slower in the later one; the cause not pinned down);
+               its ratio to native is that floor under "within noise", which the repeats on one
+               pair of engines do not show
   production   xmix-lens with seven apps installed as it is built (their sites armed, nothing else);
                its modes choose what every request runs: installed_idle (none), steer (one
                steering write), seven (all seven: writes, a conditional write, reads delivered)
@@ -529,14 +529,15 @@ def main(argv=None) -> dict:
         result["kernel_floors"] = resident_kernel_times(
             runtime.control, getattr(torch, args.dtype), [table[w][0] for w in args.workloads.split(",")],
             renormalized_sites(runtime.family, production.cfg.n_layers, runtime.site_id))
-        # decode steps of native and of the idle production engine, alternately, before any run: vLLM's
-        # own kernels compared on engines whose KV pools have no history yet (each workload's profiles
-        # come after its runs)
+        # decode steps of the native engines and of the idle production engine, alternately, before any
+        # run: vLLM's own kernels compared on engines whose KV pools have no history yet (each
+        # workload's profiles come after its runs)
         n, in_len, _ = table[args.workloads.split(",")[0]]
         batch = torch.randint(100, vocab - 100, (n, in_len), generator=torch.Generator().manual_seed(4321)).tolist()
+        fresh_modes = [m for m in ("native", "native_twin") if m in engines] + ["installed_idle"]
         result["fresh_decode_steps"] = [
             {"mode": mode, **step_profile(set_mode(engines, app_names, mode), batch, control_plane(engines, mode))}
-            for mode in [m for m in ("native", "native_twin", "installed_idle") if m != "native_twin" or m in engines] * 2]
+            for mode in fresh_modes * 2]
         reset(engines, app_names)
         write_result(result, args.out)
     for workload in args.workloads.split(","):

@@ -168,7 +168,11 @@ def test_uncompiled_steps_run_vllms_platform_kernels(served):
 
     def counted(m):
         kernel = m.forward_cpu
-        return lambda *args, **kwargs: ran.append(type(m).__name__) or kernel(*args, **kwargs)
+
+        def count_and_run(*args, **kwargs):
+            ran.append(type(m).__name__)
+            return kernel(*args, **kwargs)
+        return count_and_run
 
     try:
         for m in ops:  # the platform kernel an uncompiled step switches to, looked up on the instance

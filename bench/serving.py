@@ -21,9 +21,11 @@ Each repeat draws fresh random prompt ids, the same for every mode, and runs the
 mean time to first token, total token throughput (prompt + output tokens / wall time), and on the
 xmix-lens engines the control plane's host time per step (`host_ms_per_step`,
 ControlPlane.prepare_step; its CPU time, and the wall time per decode step alone: `HOST_FIELDS`),
-the share of decode steps whose forward was queued while the GPU was still busy with the step
-before (`decode_launched_gpu_busy`: their host time hidden; on a GPU, with reads) and the new host
-chunks its read logs made (`read_chunks_made`);
+when its slowest decode step's preparation ended (`host_max_decode_step_ended_ms`, on the clock of
+`slowest_decode_steps`: whether it is one of the run's slowest steps), the share of decode steps
+whose forward was queued while the GPU was still busy with the step before
+(`decode_launched_gpu_busy`: their host time hidden; on a GPU, with reads) and the new host chunks
+its read logs made (`read_chunks_made`);
 and the mean and P99 ITL of the decode window (`decode_itl_ms`, `decode_p99_itl_ms`: gaps that start
 once every request has its first token, so that no step holds a prefill chunk, whose interleaving
 makes the whole run's ITL vary); the collector's pauses and what it tracked before the run, whose
@@ -260,7 +262,7 @@ def run_once(llm, prompts, out_len) -> dict:
     wall = time.perf_counter() - start
     total = sum(len(p) for p in prompts) + sum(seen.values())
     return {**latencies(times, start), **collector.fields(), "gc_tracked_before_run": tracked,
-            "throughput_tok_s": total / wall, "wall_s": wall,
+            "throughput_tok_s": total / wall, "wall_s": wall, "started": start,
             "tokens": [tokens[k] for k in sorted(tokens)]}
 
 
@@ -315,8 +317,12 @@ def timed_run(engines, app_names, mode, prompts, out_len) -> dict:
         control.host_time = HostTime(check_launches=True)
         chunks_before = read_chunks_made(control)
     run = run_once(set_mode(engines, app_names, mode), prompts, out_len)
+    started = run.pop("started")
     if control is not None:
         run.update(control.host_time.ms_per_step())
+        # on slowest_decode_steps' clock: whether the host's slowest step is one of the run's slowest
+        host = control.host_time
+        run["host_max_decode_step_ended_ms"] = 1e3 * (host.decode_max_at - started) if host.decode_steps else None
         run["steps"] = control.host_time.steps
         run["read_chunks_made"] = read_chunks_made(control) - chunks_before
     return run

@@ -70,6 +70,8 @@ def test_harness_runs_every_mode_and_the_modes_do_what_they_claim(tmp_path):
         assert all(r["host_ms_max_decode_step"] >= r["host_ms_per_decode_step"] >= r["host_ms_home_per_decode_step"]
                    for r in decode["runs"][mode]), mode
         assert (mode != "seven") or all(r["host_ms_home_per_decode_step"] > 0 for r in decode["runs"][mode])  # reads
+        # when the host's slowest decode step ended: inside the run, on the clock of its slowest steps
+        assert all(0 < r["host_max_decode_step_ended_ms"] <= 1e3 * r["wall_s"] for r in decode["runs"][mode]), mode
         # whether the GPU was busy at a step's launch: asked of the copies' events, which the CPU has not
         assert all(r["decode_launched_gpu_busy"] is None for r in decode["runs"][mode]), mode
     for mode in serving.MODES:  # each run's slowest decode steps, slowest first, inside the window
@@ -80,6 +82,7 @@ def test_harness_runs_every_mode_and_the_modes_do_what_they_claim(tmp_path):
             assert len(r["gc_collections"]) == 3
             assert all(0 < at <= 1e3 * r["wall_s"] and gen in (0, 1, 2) and ms >= 1.0 for at, gen, ms in r["gc_pauses"])
     assert all(r["steps"] == 0 for r in decode["runs"]["armed_idle"])  # no resident op: nothing to prepare
+    assert all(r["host_max_decode_step_ended_ms"] is None for r in decode["runs"]["armed_idle"])
     # the read log's new chunks: the two reading apps' area's first one as its first rows move home
     # (a landing slot's rows move when it comes round again: LANDING_SLOTS steps, more than the toy's
     # warm-up run has); the toy's reads then fit it, and no mode without a read makes any

@@ -373,6 +373,34 @@ def test_read_log_returns_each_requests_latest_values_across_chunks_and_recycles
     assert torch.equal(values, torch.stack([expected[3][p] for p in sorted(expected[3])]))
 
 
+def test_a_read_log_recycles_a_chunk_once_no_request_alive_is_in_its_range_of_requests():
+    """A chunk keeps the lowest and highest request number its rows were tagged with (also rows
+    split over two chunks, also where the caller gives a wider range) and is recycled once no
+    request alive falls in that range: one comparison over the requests alive, not a pass over its
+    tags (milliseconds for a 4 MiB chunk). A request alive inside the range keeps it, rows or not."""
+    from xmix_lens.backend.vllm.messenger import NOBODY, ReadLog, _as_numpy
+
+    alive = np.arange(40)
+    log = ReadLog(1, 2, torch.float32, alive=lambda: alive, chunk_rows=4)
+
+    def append(rows, owner, owners=None):
+        log.append(_as_numpy(torch.zeros(rows, 1)), np.zeros(rows, dtype=np.int64), np.array(owner), owners)
+
+    append(3, [[5, -1], [-1, 9], [-1, -1]])  # chunk 0: requests 5-9
+    append(2, [[7, 7], [12, -1]])  # one row to chunk 0, one to chunk 1: each gets the step's range, 7-12
+    append(1, [[-1, -1]], owners=(2, 20))  # a wider range than the tags: kept as given
+    append(2, [[-1, -1]] * 2)  # no request's: no range
+    assert [c.owners for c in log.chunks] == [(5, 12), (2, 20)]
+    alive = np.array([8, 30])  # 8 is inside chunk 0's range, though none of its rows is request 8's
+    append(1, [[30, 30]])  # chunks 0 and 1 full: checked, kept, and a new chunk made
+    assert log.chunks_made == 3 and [c.owners for c in log.chunks] == [(5, 12), (2, 20), (30, 30)]
+    alive = np.array([13, 30])  # outside chunk 0's range (5-12), inside chunk 1's (2-20)
+    append(4, [[30, -1]] * 4)  # chunk 2 full; chunk 0 recycled, its range reset before it is filled
+    assert log.chunks_made == 3 and [c.owners for c in log.chunks] == [(2, 20), (30, 30), (30, 30)]
+    log.clear()  # every row nobody's: no range
+    assert all(c.owners == NOBODY for c in log.chunks)
+
+
 def test_home_copies_wait_for_each_mark_once_and_never_record_over_one_not_done(monkeypatch):
     """The areas' copies home share one event a step (messenger.HomeCopies): a slot's move waits
     for a mark after its copy (marking the step first if its copies are not marked yet), for the
@@ -477,7 +505,7 @@ def test_a_read_area_sends_a_steps_reads_of_every_op_home_in_one_copy(monkeypatc
         owners = torch.randint(-1, 4, (n, 3), generator=gen).numpy()
         if step % 3 == 0:
             owners[:, 1] = -1  # op 1 off in some steps
-        area.queue(owners, positions)
+        area.queue(owners, positions, messenger.owners_range(owners))
         for i, columns in enumerate(area.columns):
             for t in range(n):
                 if owners[t, i] >= 0:
@@ -504,7 +532,8 @@ def test_a_wider_area_absorbs_the_rows_its_ops_had_in_the_last_one():
     alive = lambda: np.arange(3)  # noqa: E731
     old = messenger.ReadArea([2, 1], 8, torch.float32, torch.device("cpu"), messenger.HomeCopies(pin=False), alive)
     old.values[:4] = torch.arange(12.0).view(4, 3)
-    old.queue(np.array([[0, 1], [0, -1], [-1, 2], [-1, -1]]), np.array([5, 6, 7, 8]))
+    owners = np.array([[0, 1], [0, -1], [-1, 2], [-1, -1]])
+    old.queue(owners, np.array([5, 6, 7, 8]), messenger.owners_range(owners))
     old.settle()
     new = messenger.ReadArea([1, 3, 2], 8, torch.float32, torch.device("cpu"), messenger.HomeCopies(pin=False), alive)
     new.log.absorb(old.log, [(1, old.columns[1], 0, new.columns[0]), (0, old.columns[0], 2, new.columns[2])])

@@ -54,7 +54,7 @@ from xmix_lens.lowered import (AffineWrite, GeneratedRead, GeneratedWrite, Lower
 
 from ..executor import Executor
 from . import cudart
-from .messenger import HomeCopies, ReadArea
+from .messenger import HomeCopies, ReadArea, owners_range
 from .sharding import Placed, on_site
 
 MAX_RESIDENT_OPS = 64  # control rows; also the most apps (one bit each in a request's uint64 mask)
@@ -130,7 +130,7 @@ class _Choices(NamedTuple):
 class _Step:
     """A prepared step whose reads are not queued home yet."""
 
-    reads: list  # [(area, owner [tokens, area's ops])]: ControlPlane._read_plan's of the step
+    reads: list  # [(area, owner [tokens, area's ops], owner's range)]: ControlPlane._read_plan's of the step
     positions: np.ndarray  # [tokens] int64: each token's position in its request
 
 
@@ -156,6 +156,7 @@ class HostTime:
     decode_wall: float = 0.0
     decode_steps: int = 0
     decode_max: float = 0.0  # the slowest decode step's (a step late in the host shows in P99 ITL)
+    decode_max_at: float = 0.0  # when it ended (perf_counter): which of the run's steps it was
     decode_home: float = 0.0  # of decode steps' wall time, queueing the step before's reads home
     decode_launches: int = 0  # decode steps whose launch was checked (a GPU, reads queued home)
     decode_launches_gpu_busy: int = 0  # of those, launched with the GPU still busy
@@ -167,7 +168,8 @@ class HostTime:
         if decode:
             self.decode_wall += wall
             self.decode_steps += 1
-            self.decode_max = max(self.decode_max, wall)
+            if wall > self.decode_max:
+                self.decode_max, self.decode_max_at = wall, time.perf_counter()
             self.decode_home += home
 
     def launched(self, gpu_busy: bool) -> None:
@@ -608,7 +610,7 @@ class ControlPlane:
                     if op.area not in plan:
                         plan[op.area] = np.full((n_tokens, len(op.area.columns)), -1, dtype=np.int64)
                     plan[op.area][:, op.area_op] = owner
-        self._read_plan = list(plan.items())
+        self._read_plan = [(area, owner, owners_range(owner)) for area, owner in plan.items()]
 
     def _make_layout(self) -> _Layout:
         self._in_control = None  # rows made for other ops
@@ -678,8 +680,8 @@ class ControlPlane:
         step, self._unqueued = self._unqueued, None
         if step is None:
             return False
-        for area, owner in step.reads:
-            area.queue(owner, step.positions)
+        for area, owner, owners in step.reads:
+            area.queue(owner, step.positions, owners)
         self._copies_home.mark()
         return True
 

@@ -577,9 +577,11 @@ class ControlPlane:
             staging[:, TABLE] = 0
             self._staged_shape[turn], self._staged_layout[turn] = shape, layout
         per_request = np.diff(query_start)
-        token_bits = np.repeat(request_bits, per_request)
         tokens = np.arange(n_tokens, dtype=np.int32)
-        on = (token_bits[None, :] >> layout.shifts) & 1 == 1  # [ops, tokens]: whether the op runs on the token
+        # [ops, tokens]: whether the op runs on the token, from each request's bits repeated per
+        # token (shifting the bits per token instead: a 4,096-token prefill's preparation 0.21 ms
+        # against 0.17 on this CPU; a prefill step is prepared before its forward, in its TTFT)
+        on = np.repeat((request_bits[None, :] >> layout.shifts) & 1 == 1, per_request, axis=1)
         staging[layout.rows, ROWS, :n_tokens] = np.where(on, tokens, -1)
         for op in layout.table_ops:  # each token's table row: its request's own, else 0 (the defaults)
             if not self._slot:

@@ -6,7 +6,9 @@ apps (bench/serving.py) active on every request, decode steps (one token a reque
 
 A plane on the CPU (`--device cuda` for one on the GPU: pinned staging, its copies and events),
 requests that finish every --request-steps steps (their reads taken, as a server does, and timed:
-`take_ms_per_request`) and new ones that take their places. What bench/serving.py's
+`take_ms_per_request`) and new ones that take their places, their prompts of --prompt-len tokens
+prepared first, whole, at most --prefill-tokens tokens a step (vLLM's chunked prefill; timed
+apart: `host_ms_per_prefill_step`). What bench/serving.py's
 `host_ms_per_step` measures inside an engine, without the engine: the difference is time the host
 waits there. Per step, the wall time and the preparing thread's CPU time (`host_cpu_ms_per_step`).
 
@@ -41,18 +43,18 @@ BUSY_THREAD = "host-step-busy"
 
 
 def measure(model, device: torch.device, requests: int, steps: int, request_steps: int,
-            evict: np.ndarray | None = None) -> dict:
+            evict: np.ndarray | None = None, prompt_len: int = 128, prefill_tokens: int = 4096) -> dict:
     """After a warm-up (the first batch of requests), the host ms per prepared step (wall and this
-    thread's CPU time); and per finished request, the ms of taking its reads (a batch's requests
-    taken together, as a pass's or an API request's are)."""
+    thread's CPU time; prefill steps and decode steps apart); and per finished request, the ms of
+    taking its reads (a batch's requests taken together, as a pass's or an API request's are)."""
     apps, _ = seven_apps(model.cfg)
     runtime = model.engine.runtime
-    plane = ControlPlane(device, max(requests, 256), max_requests=requests)
+    per_prefill = max(1, prefill_tokens // prompt_len)  # whole prompts a prefill step
+    plane = ControlPlane(device, max(requests, 256, per_prefill * prompt_len), max_requests=requests)
     for app in apps:
         plane.install(app.name, runtime._place_all(model._lower_app(app.name, app.fwd_hooks).ops, resident=True))
     names = [app.name for app in apps]
     query_start = np.arange(requests + 1)
-    first_positions = np.arange(requests)  # each request's computed tokens, on the host as vLLM's runner keeps them
     take_seconds, ids = [], []
     for step in range(steps):
         # the warm-up not counted: the first batch of requests, while the read logs grow to the chunks
@@ -71,8 +73,16 @@ def measure(model, device: torch.device, requests: int, steps: int, request_step
             ids = [f"{step}-{r}" for r in range(requests)]
             for new in ids:
                 plane.select(new, names)
+            for first in range(0, requests, per_prefill):  # their prompts, whole, a chunk of them a step
+                chunk = ids[first:first + per_prefill]
+                if evict is not None:
+                    evict += 1
+                plane.prepare_step(chunk, np.arange(len(chunk) + 1) * prompt_len, len(chunk) * prompt_len,
+                                   np.zeros(len(chunk), dtype=np.int64))
         if evict is not None:
             evict += 1  # every cache line of a buffer larger than the caches written
+        # each request's computed tokens, on the host as vLLM's runner keeps them
+        first_positions = np.full(requests, prompt_len + step % request_steps, dtype=np.int64)
         plane.prepare_step(ids, query_start, requests, first_positions)
     return {**plane.host_time.ms_per_step(), "take_ms_per_request": 1e3 * statistics.fmean(take_seconds)}
 
@@ -93,6 +103,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--requests", default="32,256,512")
     parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--request-steps", type=int, default=128, help="steps a batch of requests lives")
+    parser.add_argument("--prompt-len", type=int, default=128, help="each request's prompt tokens")
+    parser.add_argument("--prefill-tokens", type=int, default=4096, help="the most tokens a prefill step holds")
     parser.add_argument("--dummy", action="store_true", help="load_format=dummy (a config folder, no weights)")
     parser.add_argument("--busy-thread", action="store_true", help="a thread of pure-Python work beside the steps")
     parser.add_argument("--evict-caches", type=int, default=0, metavar="MIB",
@@ -112,7 +124,8 @@ def main(argv=None) -> dict:
             threading.Thread(target=busy_python, args=(stop,), name=BUSY_THREAD, daemon=True).start()
         try:
             for n in args.requests.split(","):
-                measured = measure(model, torch.device(args.device), int(n), args.steps, args.request_steps, evict)
+                measured = measure(model, torch.device(args.device), int(n), args.steps, args.request_steps, evict,
+                                   args.prompt_len, args.prefill_tokens)
                 for field in FIELDS:
                     result[field][n] = measured[field]
         finally:

@@ -67,6 +67,7 @@ def test_harness_runs_every_mode_and_the_modes_do_what_they_claim(tmp_path):
         # the thread's CPU time in the same calls: positive, and no more than their wall time
         assert all(0 < r["host_cpu_ms_per_step"] <= r["host_ms_per_step"] * 1.05 for r in decode["runs"][mode]), mode
         assert all(r["host_ms_per_decode_step"] > 0 for r in decode["runs"][mode]), mode  # decode steps seen
+        assert all(r["host_ms_per_prefill_step"] > 0 for r in decode["runs"][mode]), mode  # and the prompts' steps
         assert all(r["host_ms_max_decode_step"] >= r["host_ms_per_decode_step"] >= r["host_ms_home_per_decode_step"]
                    for r in decode["runs"][mode]), mode
         assert (mode != "seven") or all(r["host_ms_home_per_decode_step"] > 0 for r in decode["runs"][mode])  # reads
@@ -248,14 +249,15 @@ def test_research_harness_runs_each_task_on_both_and_they_agree(tmp_path):
 def test_host_step_harness_times_prepare_step_with_requests_coming_and_going(busy):
     """bench/host_step.py at toy size: a time per step for each request count (wall and CPU, also
     with a thread of Python work beside the steps, and with the caches written over between steps),
-    over batches of requests that finish (their reads taken) and are replaced."""
+    over batches of requests that finish (their reads taken) and are replaced, each batch's prompts
+    prepared first in prefill steps (timed apart)."""
     import threading
 
     from bench import host_step
 
     result = host_step.main(["--model", str(tiny_llama()), "--requests", "4,8", "--steps", "30",
-                             "--request-steps", "7", "--dummy", *busy])
-    for field in ("host_ms_per_step", "host_cpu_ms_per_step", "take_ms_per_request"):
+                             "--request-steps", "7", "--prompt-len", "6", "--prefill-tokens", "12", "--dummy", *busy])
+    for field in ("host_ms_per_step", "host_cpu_ms_per_step", "host_ms_per_prefill_step", "take_ms_per_request"):
         assert set(result[field]) == {"4", "8"} and all(v > 0 for v in result[field].values()), field
     assert all(result["host_cpu_ms_per_step"][n] <= result["host_ms_per_step"][n] * 1.05 for n in ("4", "8"))
     busy_threads = [t for t in threading.enumerate() if t.name == host_step.BUSY_THREAD]

@@ -138,7 +138,8 @@ class _Step:
 class HostTime:
     """The control plane's host time in prepare_step (bench fields): wall time and this thread's CPU
     time (their difference is time waited: for the GIL held by another thread, for the device, for
-    the OS). And for decode steps alone (a token a request: most of a generation's steps, those
+    the OS); the wall time of steps holding a prefill (prepared before their forward: in TTFT where
+    the GPU waits for them). And for decode steps alone (a token a request: most of a generation's steps, those
     whose host time a host-bound engine shows in its ITL; a prefill step's is prepared beside a
     forward tens to hundreds of times longer): their wall time, their slowest, the part spent
     queueing the step before's reads home (the copies' CUDA calls, the moves on the host), and how
@@ -179,8 +180,11 @@ class HostTime:
     def ms_per_step(self) -> dict:
         decode_steps = max(self.decode_steps, 1)
         launches = self.decode_launches
+        prefill_steps = self.steps - self.decode_steps  # steps holding a prefill (or a chunk of one)
         return {"host_ms_per_step": 1e3 * self.wall / max(self.steps, 1),
                 "host_cpu_ms_per_step": 1e3 * self.cpu / max(self.steps, 1),
+                "host_ms_per_prefill_step": (1e3 * (self.wall - self.decode_wall) / prefill_steps
+                                             if prefill_steps else None),
                 "host_ms_per_decode_step": 1e3 * self.decode_wall / decode_steps,
                 "host_ms_max_decode_step": 1e3 * self.decode_max,
                 "host_ms_home_per_decode_step": 1e3 * self.decode_home / decode_steps,
@@ -579,8 +583,9 @@ class ControlPlane:
         per_request = np.diff(query_start)
         tokens = np.arange(n_tokens, dtype=np.int32)
         # [ops, tokens]: whether the op runs on the token, from each request's bits repeated per
-        # token (shifting the bits per token instead: a 4,096-token prefill's preparation 0.21 ms
-        # against 0.17 on this CPU; a prefill step is prepared before its forward, in its TTFT)
+        # token (shifting the bits per token instead, a 4,096-token prefill step took 0.69 ms
+        # against 0.52 on the CPU with cold caches, `bench/host_step.py`; a prefill step is prepared
+        # before its forward, in its TTFT)
         on = np.repeat((request_bits[None, :] >> layout.shifts) & 1 == 1, per_request, axis=1)
         staging[layout.rows, ROWS, :n_tokens] = np.where(on, tokens, -1)
         for op in layout.table_ops:  # each token's table row: its request's own, else 0 (the defaults)

@@ -115,7 +115,8 @@ class ReadLog:
     chunk is made ahead, on a helper thread (`_make_ahead`). The range, kept as rows are appended,
     makes the check one comparison over the requests alive: one over a 4 MiB chunk's tags took
     milliseconds, four chunks checked in one step where the old chunks held requests still alive
-    (the likely cause of the 2.7 ms slowest prepared step at 256 requests on the H200, session 24).
+    (on the H200 the slowest prepared step at 256 requests took 2.7 ms in session 24 and 0.8-1.0 ms
+    with the ranges in session 25, docs/benchmarks.md).
 
     The chunks are plain host memory: pinning memory is a driver call, and each pinned chunk made
     while the engine ran cost a step in the tail: on the H200 a new 4 MiB chunk took 2.2 ms inline,

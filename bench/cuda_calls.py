@@ -1,10 +1,13 @@
-"""What a read's CUDA calls cost the host, through torch and straight to the runtime
+"""What a step's CUDA calls cost the host, through torch and straight to the runtime
 (backend/vllm/cudart.py), with the host's caches warm and cold. GPU only.
 
     python -m bench.cuda_calls --out results.json
 
 Per call, the median host time over --calls calls: a step's copy home of --rows rows of the seven
-bench apps' read area (66 bf16 columns) into a pinned slot, and an event's record and query. With
+bench apps' read area (66 bf16 columns) into a pinned slot; the copy of a step's control rows
+(the seven apps' ops, --rows tokens wide) from pinned staging into the control buffer's strided
+view, as torch's two copies by way of a contiguous device buffer and as one runtime call; and an
+event's record and query. With
 --evict-caches MIB (cold) each call is preceded, outside its timing, by writes through a buffer of
 that many MiB, as an engine's other work between two preparations leaves the caches
 (bench/host_step.py).
@@ -24,6 +27,7 @@ from xmix_lens.backend.vllm import cudart
 
 WIDTH = 66  # the seven bench apps' read area: a probe (2) and SAE features (64)
 SLOTS = 8
+CONTROL_OPS, CONTROL_TOKENS = 7, 8192  # the seven bench apps' resident ops; a control buffer's tokens
 
 
 def calls(rows: int) -> dict:
@@ -31,10 +35,22 @@ def calls(rows: int) -> dict:
     values = torch.randn(max(rows, 1024), WIDTH, device="cuda").to(torch.bfloat16)
     landing = torch.empty(SLOTS, rows, WIDTH, dtype=torch.bfloat16, pin_memory=True)
     copies = [cudart.copy_home(landing[slot], values[:rows]) for slot in range(SLOTS)]
+    control = torch.empty(CONTROL_OPS, 2, CONTROL_TOKENS, dtype=torch.int32, device="cuda")
+    staged = torch.zeros(CONTROL_OPS, 2, rows, dtype=torch.int32, pin_memory=True)
+    contiguous = torch.empty_like(staged, device="cuda")
+    target = control[:, :, :rows]  # the views made once, as the control plane keeps them
+    rows_copy = cudart.copy_rows_to_device(target, staged)
+
+    def rows_torch(i):
+        contiguous.copy_(staged, non_blocking=True)
+        target.copy_(contiguous)
+
     event, twin = cudart.Event(), torch.cuda.Event()
     twin.record()
     return {"copy_torch": lambda i: landing[i % SLOTS].copy_(values[:rows], non_blocking=True),
             "copy_runtime": lambda i: copies[i % SLOTS](),
+            "rows_torch": rows_torch,
+            "rows_runtime": lambda i: rows_copy(),
             "record_torch": lambda i: twin.record(),
             "record_runtime": lambda i: event.record(),
             "query_torch": lambda i: twin.query(),

@@ -226,26 +226,24 @@ class ControlPlane:
         self.control[:, TABLE] = 0
         self._tokens = torch.arange(self.max_tokens, dtype=torch.int32, device=self.device)  # a read's row per token
         # A step's rows are staged on the host as one contiguous [ops, 2, width] block at the front of
-        # a flat pinned buffer, copied to a device buffer as they are, then into `control` there: a
-        # copy from a strided pinned view would go through pageable memory, and such a copy waits
-        # for the GPU to finish everything queued before it (the step in flight). Staging buffers
-        # take turns (device="cpu" explicitly: vLLM builds the model under a default-device context).
+        # a flat pinned buffer, copied into `control[:ops, :, :width]` by one runtime call
+        # (`_row_copier`). Staging buffers take turns (device="cpu" explicitly: vLLM builds the model
+        # under a default-device context).
         # They are written through numpy views: with torch ops on these host tensors (which may hand
         # large fills to torch's intra-op threads) a prefill step's preparation took 44 ms in the
         # engine on the H200 under the profiler, 3.3 ms through numpy (docs/benchmarks.md, session 14).
         self._staging = [torch.empty(MAX_RESIDENT_OPS * 2 * self.max_tokens, dtype=torch.int32, device="cpu",
                                      pin_memory=pin) for _ in range(STAGING_BUFFERS)]
         self._staging_np = [buffer.numpy() for buffer in self._staging]
-        self._landing = torch.empty(MAX_RESIDENT_OPS * 2 * self.max_tokens, dtype=torch.int32, device=self.device)
         self._staged_count = 0
         # made once and recorded again each time (no object per step)
         self._staged_events = [cudart.Event() for _ in range(STAGING_BUFFERS)] if pin else None
         # per staging buffer, the (rows, width, tokens) and layout of the step it last held
         self._staged_shape: list[tuple | None] = [None] * STAGING_BUFFERS
         self._staged_layout: list[_Layout | None] = [None] * STAGING_BUFFERS
-        # per staging buffer, ((rows, width), its views for the copies to `control`), kept: each torch
-        # call, a slice too, lets go of the GIL (see ReadLog)
-        self._copy_views: list[tuple] = [((0, 0), None)] * STAGING_BUFFERS
+        # per staging buffer, ((rows, width), its copy to `control`), kept: each torch call, a slice
+        # too, lets go of the GIL (see ReadLog)
+        self._row_copies: list[tuple] = [((0, 0), None)] * STAGING_BUFFERS
         self._in_control: tuple | None = None  # what the rows in `control` were made from (_prepare's key)
         # the areas with a read op on in those rows: [(area, owner [tokens, area's ops]: each token's
         # request number per op, -1 where the op is off)] (held: an uninstall before the copy home frees rows)
@@ -597,15 +595,11 @@ class ControlPlane:
                               dtype=np.int32, count=len(req_ids))
             staging[op.index, TABLE, :n_tokens] = np.repeat(own, per_request)
         # launches read rows [:T], T (x's tokens, padding included) <= width: the rest may be stale
-        dims, views = self._copy_views[turn]
+        dims, copy = self._row_copies[turn]
         if dims != (rows_used, width):
-            landing = self._landing[:size]
-            views = (self._staging[turn][:size], landing, landing.view(rows_used, 2, width),
-                     self.control[:rows_used, :, :width])
-            self._copy_views[turn] = ((rows_used, width), views)
-        staged, landing, landed, rows = views
-        landing.copy_(staged, non_blocking=self._pin)
-        rows.copy_(landed)
+            copy = self._row_copier(turn, rows_used, width)
+            self._row_copies[turn] = ((rows_used, width), copy)
+        copy()
         if self._pin:
             self._staged_events[turn].record()
         plan: dict[ReadArea, np.ndarray] = {}  # per area with an op on: each token's owner per op
@@ -618,6 +612,18 @@ class ControlPlane:
                         plan[op.area] = np.full((n_tokens, len(op.area.columns)), -1, dtype=np.int64)
                     plan[op.area][:, op.area_op] = owner
         self._read_plan = [(area, owner, owners_range(owner)) for area, owner in plan.items()]
+
+    def _row_copier(self, turn: int, rows_used: int, width: int):
+        """The copy of staging buffer `turn`'s [ops, 2, width] block into `control[:ops, :, :width]`: on
+        a GPU one runtime call, stream ordered and non-blocking (`cudart.copy_rows_to_device`; through
+        torch it was two copies by way of a contiguous device buffer, 126-138 us of host time each
+        on the H200's host with cold caches, session 21); on the CPU numpy's (see ReadArea._copier)."""
+        size = rows_used * 2 * width
+        target = self.control[:rows_used, :, :width]
+        if not self._pin:
+            source, target_np = self._staging_np[turn][:size].reshape(rows_used, 2, width), target.numpy()
+            return lambda: np.copyto(target_np, source)
+        return cudart.copy_rows_to_device(target, self._staging[turn][:size].view(rows_used, 2, width))
 
     def _make_layout(self) -> _Layout:
         self._in_control = None  # rows made for other ops

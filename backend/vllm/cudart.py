@@ -1,5 +1,5 @@
-"""The CUDA calls a step makes for its reads, through ctypes: the copy home and its event's record,
-query and synchronize.
+"""The CUDA calls a step makes for its control rows and reads, through ctypes: the rows' copy to the
+device, the reads' copy home, and their events' record, query and synchronize.
 
 Through torch each call walks the dispatcher and its checks, and in an engine the host's caches
 are cold when a step is prepared (the rest of the step ran between two preparations), so what a
@@ -14,7 +14,7 @@ import functools
 
 import torch
 
-DEVICE_TO_HOST = 2  # cudaMemcpyKind
+HOST_TO_DEVICE, DEVICE_TO_HOST = 1, 2  # cudaMemcpyKind
 NOT_READY = 600  # cudaErrorNotReady: what cudaEventQuery returns for work not done yet
 
 
@@ -29,6 +29,8 @@ def _runtime() -> ctypes.CDLL:
                            "pip wheels do)")
     runtime = ctypes.CDLL(loaded[0])
     runtime.cudaMemcpyAsync.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    runtime.cudaMemcpy2DAsync.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t,
+                                          ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
     runtime.cudaEventRecord.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
     runtime.cudaEventQuery.argtypes = [ctypes.c_void_p]
     runtime.cudaEventSynchronize.argtypes = [ctypes.c_void_p]
@@ -50,6 +52,27 @@ def copy_home(target: torch.Tensor, source: torch.Tensor):
 
     def copy() -> None:
         _checked("cudaMemcpyAsync", memcpy(to, of, size, DEVICE_TO_HOST, current_stream(device)))
+    return copy
+
+
+def copy_rows_to_device(target: torch.Tensor, source: torch.Tensor):
+    """A call queueing `target` <- `source` (a contiguous tensor in pinned host memory into a device
+    tensor of its shape whose rows, the last dimension, are contiguous and evenly spaced: a slice of
+    the last dimension, such as `control[:ops, :, :width]`) on the current stream, non-blocking: one
+    cudaMemcpy2DAsync. Through torch that is two copies, the pinned block into a contiguous device
+    buffer and that into the view: torch copies from a strided view of pinned memory by way of
+    pageable memory, which waits for the GPU to finish the work queued before it."""
+    assert source.is_contiguous() and target.shape == source.shape and target.dtype == source.dtype
+    assert target.stride(-1) == 1 and all(target.stride(i) == target.stride(i + 1) * target.shape[i + 1]
+                                          for i in range(target.dim() - 2)), "rows not evenly spaced"
+    memcpy_2d, current_stream = _runtime().cudaMemcpy2DAsync, torch._C._cuda_getCurrentRawStream
+    item, row = target.element_size(), target.shape[-1]
+    to, pitch, of = target.data_ptr(), target.stride(-2) * item if target.dim() > 1 else row * item, source.data_ptr()
+    rows, device = target.numel() // row if row else 0, target.device.index
+
+    def copy() -> None:
+        _checked("cudaMemcpy2DAsync", memcpy_2d(to, pitch, of, row * item, row * item, rows, HOST_TO_DEVICE,
+                                                current_stream(device)))
     return copy
 
 

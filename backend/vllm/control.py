@@ -616,8 +616,9 @@ class ControlPlane:
     def _row_copier(self, turn: int, rows_used: int, width: int):
         """The copy of staging buffer `turn`'s [ops, 2, width] block into `control[:ops, :, :width]`: on
         a GPU one runtime call, stream ordered and non-blocking (`cudart.copy_rows_to_device`; through
-        torch it was two copies by way of a contiguous device buffer, 126-138 us of host time each
-        on the H200's host with cold caches, session 21); on the CPU numpy's (see ReadArea._copier)."""
+        torch it was two copies by way of a contiguous device buffer: 91-101 us of host time on the
+        H200's host with cold caches, against 29-32 us, `bench/cuda_calls.py`); on the CPU numpy's
+        (see ReadArea._copier)."""
         size = rows_used * 2 * width
         target = self.control[:rows_used, :, :width]
         if not self._pin:

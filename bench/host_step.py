@@ -8,7 +8,8 @@ A plane on the CPU (`--device cuda` for one on the GPU: pinned staging, its copi
 requests that finish every --request-steps steps (their reads taken, as a server does, and timed:
 `take_ms_per_request`) and new ones that take their places, their prompts of --prompt-len tokens
 prepared first, whole, at most --prefill-tokens tokens a step (vLLM's chunked prefill; timed
-apart: `host_ms_per_prefill_step`). What bench/serving.py's
+apart: `host_ms_per_prefill_step`), each step followed by what the engine calls once its forward
+is queued (`ControlPlane.launched`: the read logs' moves, `host_ms_after_launch_per_step`). What bench/serving.py's
 `host_ms_per_step` measures inside an engine, without the engine: the difference is time the host
 waits there. Per step, the wall time and the preparing thread's CPU time (`host_cpu_ms_per_step`).
 
@@ -79,11 +80,13 @@ def measure(model, device: torch.device, requests: int, steps: int, request_step
                     evict += 1
                 plane.prepare_step(chunk, np.arange(len(chunk) + 1) * prompt_len, len(chunk) * prompt_len,
                                    np.zeros(len(chunk), dtype=np.int64))
+                plane.launched()  # as the engine calls it once the step's forward is queued
         if evict is not None:
             evict += 1  # every cache line of a buffer larger than the caches written
         # each request's computed tokens, on the host as vLLM's runner keeps them
         first_positions = np.full(requests, prompt_len + step % request_steps, dtype=np.int64)
         plane.prepare_step(ids, query_start, requests, first_positions)
+        plane.launched()
     return {**plane.host_time.ms_per_step(), "take_ms_per_request": 1e3 * statistics.fmean(take_seconds)}
 
 

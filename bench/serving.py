@@ -20,7 +20,8 @@ Each repeat draws fresh random prompt ids, the same for every mode, and runs the
 (A B C ... A B C ...), after one warm-up run of each. Per run: mean and P99 inter-token latency,
 mean time to first token, total token throughput (prompt + output tokens / wall time), and on the
 xmix-lens engines the control plane's host time per step (`host_ms_per_step`,
-ControlPlane.prepare_step; its CPU time, and the wall time per decode step alone: `HOST_FIELDS`),
+ControlPlane.prepare_step; its CPU time, and the wall time per decode step alone; and the time after
+each launch, the read logs' moves beside the GPU, `host_ms_after_launch_per_step`: `HOST_FIELDS`),
 when its slowest decode step's preparation ended (`host_max_decode_step_ended_ms`, on the clock of
 `slowest_decode_steps`: whether it is one of the run's slowest steps), the share of decode steps
 whose forward was queued while the GPU was still busy with the step before

@@ -71,6 +71,8 @@ def test_harness_runs_every_mode_and_the_modes_do_what_they_claim(tmp_path):
         assert all(r["host_ms_max_decode_step"] >= r["host_ms_per_decode_step"] >= r["host_ms_home_per_decode_step"]
                    for r in decode["runs"][mode]), mode
         assert (mode != "seven") or all(r["host_ms_home_per_decode_step"] > 0 for r in decode["runs"][mode])  # reads
+        # after each launch, the read logs' moves beside the GPU (the production engine has read areas)
+        assert all(r["host_ms_after_launch_per_step"] > 0 for r in decode["runs"][mode]), mode
         # when the host's slowest decode step ended: inside the run, on the clock of its slowest steps
         assert all(0 < r["host_max_decode_step_ended_ms"] <= 1e3 * r["wall_s"] for r in decode["runs"][mode]), mode
         # whether the GPU was busy at a step's launch: asked of the copies' events, which the CPU has not

@@ -474,12 +474,14 @@ def test_a_read_logs_new_chunks_are_made_ahead_on_a_helper_thread(monkeypatch):
     assert positions.tolist() == [0, 1, 2, 3] and values[:, 0].tolist() == [4.0] * 4  # the latest step's
 
 
-def test_a_read_area_sends_a_steps_reads_of_every_op_home_in_one_copy(monkeypatch):
+@pytest.mark.parametrize("moved_ahead", [False, True])
+def test_a_read_area_sends_a_steps_reads_of_every_op_home_in_one_copy(monkeypatch, moved_ahead):
     """Read ops side by side in one area (messenger.ReadArea): each op's step values are its
     columns; a step's rows of all of them go home in one copy (a piece per landing slot where the
     step is longer than a slot) and move, every op's columns at once, into the area's log, each
     op's rows tagged with its own owners: each op's take against a dict of (request, position) ->
-    latest value per op, across the log's chunks."""
+    latest value per op, across the log's chunks. Whether or not the next slot's rows are moved
+    after each step's launch (`move_ahead`, as ControlPlane.launched does), never the last step's."""
     from xmix_lens.backend.vllm import messenger
 
     copies = []
@@ -506,6 +508,11 @@ def test_a_read_area_sends_a_steps_reads_of_every_op_home_in_one_copy(monkeypatc
         if step % 3 == 0:
             owners[:, 1] = -1  # op 1 off in some steps
         area.queue(owners, positions, messenger.owners_range(owners))
+        if moved_ahead:
+            area.copies.mark()  # as the control plane marks a step's copies
+            area.move_ahead()
+            after = area._moves[area._turns % messenger.LANDING_SLOTS]  # the slot the next copy takes
+            assert after is None or after[-1] == area.copies.marks - 1  # moved unless it is this step's
         for i, columns in enumerate(area.columns):
             for t in range(n):
                 if owners[t, i] >= 0:

@@ -142,12 +142,13 @@ class HostTime:
     the GPU waits for them). And for decode steps alone (a token a request: most of a generation's steps, those
     whose host time a host-bound engine shows in its ITL; a prefill step's is prepared beside a
     forward tens to hundreds of times longer): their wall time, their slowest, the part spent
-    queueing the step before's reads home (the copies' CUDA calls, the moves on the host), and how
-    many were launched while the GPU was still busy with the work queued before them: with vLLM's
-    async scheduling the host prepares a step while the GPU runs the one before, and a step queued
-    before the GPU ran out of work left it no gap, so the host time before its launch, ours
-    included, was hidden (`ControlPlane.launched`; on a GPU only, and only where `check_launches`:
-    an event query a step, which a serving engine need not make)."""
+    queueing the step before's reads home (the copies' CUDA calls, the moves on the host that the
+    last launch left), and how many were launched while the GPU was still busy with the work queued
+    before them: with vLLM's async scheduling the host prepares a step while the GPU runs the one
+    before, and a step queued before the GPU ran out of work left it no gap, so the host time before
+    its launch, ours included, was hidden (`ControlPlane.launched`; on a GPU only, and only where
+    `check_launches`: an event query a step, which a serving engine need not make). And the time
+    after each launch, moving read logs' landed rows beside the GPU (`after_launch`)."""
 
     check_launches: bool = False
 
@@ -161,6 +162,7 @@ class HostTime:
     decode_home: float = 0.0  # of decode steps' wall time, queueing the step before's reads home
     decode_launches: int = 0  # decode steps whose launch was checked (a GPU, reads queued home)
     decode_launches_gpu_busy: int = 0  # of those, launched with the GPU still busy
+    after_launch: float = 0.0  # in launched(): the read logs' moves made beside the GPU (ReadArea.move_ahead)
 
     def add(self, wall: float, cpu: float, decode: bool, home: float = 0.0) -> None:
         self.wall += wall
@@ -188,7 +190,8 @@ class HostTime:
                 "host_ms_per_decode_step": 1e3 * self.decode_wall / decode_steps,
                 "host_ms_max_decode_step": 1e3 * self.decode_max,
                 "host_ms_home_per_decode_step": 1e3 * self.decode_home / decode_steps,
-                "decode_launched_gpu_busy": self.decode_launches_gpu_busy / launches if launches else None}
+                "decode_launched_gpu_busy": self.decode_launches_gpu_busy / launches if launches else None,
+                "host_ms_after_launch_per_step": 1e3 * self.after_launch / max(self.steps, 1)}
 
 
 @dataclass
@@ -529,12 +532,20 @@ class ControlPlane:
     def launched(self) -> None:
         """After the engine queued the prepared step's forward: whether the GPU had not yet reached
         the step's mark, i.e. was still busy with the work before it (HostTime, a bench field). A
-        lower bound of the steps launched with no gap: asked after the launch, not at it."""
+        lower bound of the steps launched with no gap: asked after the launch, not at it. Then the
+        read logs' moves of the next step's landing slots, made now, beside the GPU (with vLLM's
+        async scheduling the host next waits for the step before's output), not in the next
+        step's preparation, before its launch (`ReadArea.move_ahead`; HostTime.after_launch)."""
         mark, self._launch_mark = self._launch_mark, None
         if mark is not None:
             busy = self._copies_home.pending(mark)
             if busy is not None:
                 self.host_time.launched(busy)
+        if self._areas:
+            started = time.perf_counter()
+            for area in self._areas:
+                area.move_ahead()
+            self.host_time.after_launch += time.perf_counter() - started
 
     def _prepare(self, req_ids, query_start, n_tokens, first_positions, n_padded) -> None:
         n = len(req_ids)

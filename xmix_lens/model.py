@@ -1124,7 +1124,7 @@ class HookedServedModel:
             params = [(name, float(app.params[name]), float(lo), float(hi))
                       for name, (lo, hi) in app.request_params.items()]
             forms.append((app.name, app.version, app.description, traced.ops, reads, params))
-        return app_config.write(path, self.model_dir, forms)
+        return app_config.write(path, self.model_dir, forms, self.cfg.dtype)
 
     def _attach_slopes(self, app: App, ops: dict) -> None:
         """Each request param's effect on the app's lowered ops, as slopes on them: the app lowered
@@ -1157,6 +1157,15 @@ class HookedServedModel:
                                 f"proportion (act + {name} * v, not act * {name}); drop it from request_params")
                         op.slopes.setdefault(name, {})[field] = slope
 
+    @one_call_at_a_time
+    def install_config(self, path) -> list[str]:
+        """Install an app config's apps (`export`) in this running engine; their names. Built into
+        the engine instead (`from_pretrained(..., config=path)`), they run inside its CUDA graphs;
+        installed now, their requests' steps run without them."""
+        loaded = app_config.read(path, self.model_dir)
+        self._install_configured(loaded)
+        return [spec.name for spec, _ in loaded]
+
     def _install_configured(self, loaded: list) -> None:
         """Apps from a config (app_config.read), resident in the engine since it was built: in the
         registry under their names, with no hooks and no parameters (their tensors are in their ops)."""
@@ -1165,7 +1174,7 @@ class HookedServedModel:
             if spec.name in reg.apps:
                 raise ValueError(f"app {spec.name!r} is in the config and in apps=; give one of them another name")
             app = App(spec.name, version=spec.version, description=spec.description)
-            self.engine.install_app(spec.name, ops)
+            self.engine.install_app(spec.name, ops, app_config.declared(spec))
             reg.apps[spec.name] = app
             reg.resident[spec.name] = {r.key: (r.output, tuple(r.feature_shape)) for r in spec.reads}
             reg.lowered_versions[spec.name], reg.graphs[spec.name] = (), []

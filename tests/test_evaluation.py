@@ -122,7 +122,7 @@ def test_scoring_rows_equal_the_loss_of_run_with_hooks(engine, facade, tmp_path)
         record = records[(row["id"], "{}")]
         prompt = facade.to_tokens(row["prompt"])[0].tolist()
         target = facade.tokenizer(row["target"], add_special_tokens=False)["input_ids"]
-        assert record["target_token_ids"] == target
+        assert record["target"] == row["target"] and record["target_token_ids"] == target  # (plot --by target)
         tokens = torch.tensor([prompt + target])
         names = row.get("apps")
         with params_set(facade, row.get("params", {})):

@@ -159,7 +159,7 @@ def plot(args) -> None:
     from .evaluation import plot as plot_curve
 
     try:
-        print(f"wrote {plot_curve(args.results, args.x, args.y, args.out)}")
+        print(f"wrote {plot_curve(args.results, args.x, args.y, args.out, by=args.by)}")
     except (ValueError, OSError) as e:
         raise SystemExit(str(e)) from None
 
@@ -223,10 +223,13 @@ def main(argv=None) -> None:
     v.add_argument("--max-model-len", type=int, default=2048)
     v.add_argument("--eager", action="store_true", help="vLLM enforce_eager (faster start, slower runs)")
     v.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p = sub.add_parser("plot", help="a swept parameter's curve from an eval results file, as a PNG")
+    p = sub.add_parser("plot", help="a swept parameter's curves from an eval results file, as a PNG")
     p.add_argument("results", help="an xmix-lens eval output (JSONL)")
     p.add_argument("--x", required=True, help="the swept parameter, APP.PARAM")
-    p.add_argument("--y", required=True, help="a score (logprob, loss, without_apps.logprob) or reads.APP.OUTPUT")
+    p.add_argument("--y", required=True, help="a score (logprob, loss, without_apps.logprob) or reads.APP.OUTPUT; "
+                                              "a score's value without apps is drawn dashed beside it")
+    p.add_argument("--by", metavar="FIELD", help="one curve per value of this record field (e.g. target, id, "
+                                                 "params.APP.PARAM, or another swept APP.PARAM); default: one curve")
     p.add_argument("--out", required=True, help="the PNG to write")
     args = parser.parse_args(argv)
     if args.command == "serve" and args.vllm_args[:1] == ["--"]:

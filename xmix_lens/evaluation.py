@@ -164,7 +164,7 @@ class Evaluation:
                 raise RowError(f"a scoring row (with a target) generates nothing; drop {given}")
             ids = self.model.tokenizer(target, add_special_tokens=False)["input_ids"]
             self._check_length(len(prompt) + len(ids))
-            job = _Job({**record, "target_token_ids": ids}, "score", target_len=len(ids))
+            job = _Job({**record, "target": target, "target_token_ids": ids}, "score", target_len=len(ids))
             scoring = {"max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0}
             requests = [("apps", ServedRequest(self._key(), prompt + ids, scoring, xargs, wants_reads))]
             if names:
@@ -400,12 +400,47 @@ def _progress(enabled: bool, total: int | None):
 
 
 # --- curves of a results file ---------------------------------------------------------------------
-def sweep_curve(results, x: str, y: str) -> list[tuple[float, float, float, int]]:
+Point = tuple[float, float, float, int]  # (value of the swept x, mean of y, its standard error, records)
+
+
+@dataclass
+class Curve:
+    """One line of a plot: `points` of y against the swept x over the records of one group (all of
+    them without `by`); `baseline`: the same records' `without_apps.` score (empty where they have
+    none: reads, generated rows, rows without apps)."""
+
+    by: str | None  # the grouping field
+    value: object  # that field's value in this group's records (None: all records, or records without it)
+    points: list[Point]
+    baseline: list[Point] = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        if self.by is None:
+            return "all rows"
+        if self.value is None:
+            return f"no {self.by}"
+        return f"{self.by}={self.value!r}" if isinstance(self.value, str) else f"{self.by}={json.dumps(self.value)}"
+
+
+def sweep_curve(results, x: str, y: str) -> list[Point]:
     """(value of the swept `x`, mean of `y`, its standard error, records) for each value of `x`, over
     the records of a results file without errors. `y`: a record's number ("logprob", "loss",
     "without_apps.logprob", ...) or "reads.APP.OUTPUT", a scalar read at its first position returned
     (the prompt's end by default)."""
-    by_x: dict[float, list[float]] = {}
+    return sweep_curves(results, x, y)[0].points
+
+
+def sweep_curves(results, x: str, y: str, by: str | None = None) -> list[Curve]:
+    """sweep_curve's points for each value of the record field `by` (one Curve each, in the order the
+    values first appear; all records in one Curve without `by`), each with its baseline: for a score
+    `y` ("logprob", "loss"), the same records' `without_apps.` score, where they have it.
+
+    `by`: a record field ("target", "id", "apps"), a dotted path into one ("params.joy.scale"), or
+    another swept parameter of a grid ("sad.scale"). A record without the field is in the group of
+    value None; `target` falls back to `target_token_ids` in records written before records held it."""
+    base_y = None if y.split(".")[0] in ("reads", "without_apps") else f"without_apps.{y}"
+    groups: dict[str, tuple[object, dict[float, list[float]], dict[float, list[float]]]] = {}
     for _, record in _rows(results):
         if isinstance(record, RowError) or "error" in record:
             continue
@@ -414,17 +449,55 @@ def sweep_curve(results, x: str, y: str) -> list[tuple[float, float, float, int]
             raise ValueError(f"{results}: a record (line {record.get('line')}) has no swept {x!r}; its sweep is "
                              f"{point or 'empty'}: run eval with --sweep {x}=...")
         value = _number(record, y)
-        if value is not None:  # (scores are in scoring rows' records only, a read in its apps' records)
-            by_x.setdefault(point[x], []).append(value)
-    if not by_x:
+        if value is None:  # (scores are in scoring rows' records only, a read in its apps' records)
+            continue
+        key = _group(record, by) if by is not None else None
+        _, ys, base = groups.setdefault(json.dumps(key, sort_keys=True), (key, {}, {}))
+        ys.setdefault(point[x], []).append(value)
+        baseline = _number(record, base_y) if base_y is not None else None
+        if baseline is not None:
+            base.setdefault(point[x], []).append(baseline)
+    if not groups:
         raise ValueError(f"{results} has no record with {y!r} (and without an error)")
-    curve = []
+    return [Curve(by, key, _points(ys), _points(base)) for key, ys, base in groups.values()]
+
+
+def _points(by_x: dict[float, list[float]]) -> list[Point]:
+    points = []
     for value in sorted(by_x):
         ys = by_x[value]
         mean = sum(ys) / len(ys)
         spread = math.sqrt(sum((v - mean) ** 2 for v in ys) / (len(ys) - 1) / len(ys)) if len(ys) > 1 else 0.0
-        curve.append((value, mean, spread, len(ys)))
-    return curve
+        points.append((value, mean, spread, len(ys)))
+    return points
+
+
+def _group(record: dict, by: str):
+    """A record's value of `by` (see sweep_curves); None if it has none."""
+    found = _field(record, by.split("."))
+    if found is _MISSING and by in record.get("sweep", {}):
+        found = record["sweep"][by]
+    if found is _MISSING and by == "target":
+        found = _field(record, ["target_token_ids"])
+    return None if found is _MISSING else found
+
+
+_MISSING = object()
+
+
+def _field(value, parts: list[str]):
+    """value[a][b]... for the dotted path `parts`, where a key may itself hold dots ("joy.scale")."""
+    if not parts:
+        return value
+    if not isinstance(value, dict):
+        return _MISSING
+    for n in range(len(parts), 0, -1):
+        key = ".".join(parts[:n])
+        if key in value:
+            found = _field(value[key], parts[n:])
+            if found is not _MISSING:
+                return found
+    return _MISSING
 
 
 def _number(record: dict, y: str) -> float | None:
@@ -449,19 +522,33 @@ def _number(record: dict, y: str) -> float | None:
     return float(value)
 
 
-def plot(results, x: str, y: str, out) -> Path:
-    """The curve of `y` against the swept `x` (sweep_curve: means with standard-error bars), saved as a PNG."""
+def plot(results, x: str, y: str, out, by: str | None = None) -> Path:
+    """The curves of `y` against the swept `x` (sweep_curves: one per value of `by`, means with
+    standard-error bars), each with its baseline without apps dashed beside it where the records
+    have one, saved as a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    curve = sweep_curve(results, x, y)
-    fig, ax = plt.subplots(figsize=(5, 3.5))
-    ax.errorbar([c[0] for c in curve], [c[1] for c in curve], yerr=[c[2] for c in curve], marker="o", capsize=3)
+    curves = sweep_curves(results, x, y, by)
+    counts = sorted({p[3] for c in curves for p in c.points})
+    rows = f"{counts[0]}" if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
+    fig, ax = plt.subplots(figsize=(6, 4))
+    handles = []  # each curve's legend entry beside its baseline's
+    for i, curve in enumerate(curves):
+        color = f"C{i % 10}"
+        handles.append(ax.errorbar([p[0] for p in curve.points], [p[1] for p in curve.points],
+                                   yerr=[p[2] for p in curve.points], marker="o", capsize=3, color=color,
+                                   label=f"{curve.label}, with apps" if curve.baseline else curve.label))
+        if curve.baseline:
+            handles += ax.plot([p[0] for p in curve.baseline], [p[1] for p in curve.baseline], linestyle="--",
+                               color=color, alpha=0.8, label=f"{curve.label}, without apps")
     ax.set_xlabel(x)
-    ax.set_ylabel(y)
-    ax.set_title(f"{y} against {x} ({max(c[3] for c in curve)} rows per point)", fontsize=9)
+    ax.set_ylabel(f"{y}\n(mean ± standard error over {rows} rows)")
+    ax.set_title(f"{y} against {x}" + (f", by {by}" if by else ""), fontsize=9)
+    if len(handles) > 1:
+        ax.legend(handles=handles, fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(out, dpi=120)

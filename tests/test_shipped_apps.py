@@ -16,9 +16,8 @@ from xmix_lens import HookedServedModel, apps
 from xmix_lens.request_choice import APPS_KEY, READS_KEY
 
 SHIPPED = ("actadd", "ablate", "truth", "cast", "harm", "iti", "sae")
-# what keeps them per call: a read of one position (act[:, -1]), a prompt-level store
-NOT_RESIDENT_YET = {"truth": "its `last` output reads act[:, -1]",
-                    "cast": "its condition is a prompt-level store", "harm": "its score is a prompt-level store"}
+# what keeps them per call: a prompt-level store
+NOT_RESIDENT_YET = {"cast": "its condition is a prompt-level store", "harm": "its score is a prompt-level store"}
 PROMPTS = ["The cat sat on the mat and looked", "One two three four", "A quick brown fox jumps"]
 
 
@@ -61,8 +60,11 @@ def assert_resident_equals_per_call(model, built: list) -> None:
     gap = float((resident.result - per_call).abs()[mask].max())
     assert gap < 1e-3 * float(per_call.abs().max()), gap
     assert float((resident.result - plain).abs()[mask].max()) > 100 * max(gap, 1e-6)
-    torch.testing.assert_close(resident.outputs["sae"]["features"], built[-1].outputs["features"], atol=1e-4,
-                               rtol=1e-4)
+    by_name = {app.name: app for app in built}
+    for name, output in (("sae", "features"), ("truth", "scores"), ("truth", "last")):
+        ours, theirs = resident.outputs[name][output], by_name[name].outputs[output]
+        assert ours.shape == theirs.shape and float(theirs.abs().max()) > 0.1
+        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
 
 
 @pytest.fixture(scope="module", params=[30, 80], ids=lambda n: f"{n}-layers")
@@ -135,7 +137,7 @@ def test_serve_takes_the_embedded_name_and_says_its_dtype_and_memory(smollm2_ser
     assert f"xmix-lens: installing apps {names}" in server.output()
 
 
-@pytest.mark.parametrize("choice", [["actadd"], ["ablate"], ["iti"], ["sae"], ["actadd", "ablate", "iti", "sae"]])
+@pytest.mark.parametrize("choice", [["actadd"], ["ablate"], ["iti"], ["sae"], ["actadd", "ablate", "truth", "iti", "sae"]])
 def test_served_shipped_apps_run_as_in_process(smollm2_server, choice):
     server, model, _ = smollm2_server
     ids = model.to_tokens(PROMPTS[0], prepend_bos=False)[0].tolist()
@@ -161,3 +163,16 @@ def test_served_and_in_process_reads_agree_to_the_dtypes_precision(smollm2_serve
     theirs = torch.tensor(read["values"])
     assert theirs.dtype == torch.float32 and theirs.abs().max() > 0.1
     torch.testing.assert_close(theirs, ours[read["positions"]], rtol=1e-4, atol=1e-4)  # float32 on both sides
+
+
+def test_a_served_read_of_the_last_position_is_the_prompts_end(smollm2_server):
+    """truth's `last` output (act[:, -1] @ w) comes back by default at the prompt's last position,
+    equal to the in-process call's."""
+    server, model, _ = smollm2_server
+    ids = model.to_tokens(PROMPTS[2], prepend_bos=False)[0].tolist()
+    out = server.client().completions.create(model="smollm2-135m", prompt=ids, max_tokens=2, temperature=0,
+                                             extra_body={"vllm_xargs": {APPS_KEY: "truth"}})
+    read = out.model_extra["xmix_reads"][0]["apps"]["truth"]["last"]
+    assert read["positions"] == [len(ids) - 1]
+    ours = model.run_with_hooks(torch.tensor([ids]), apps=["truth"]).outputs["truth"]["last"]
+    torch.testing.assert_close(torch.tensor(read["values"]), ours, rtol=1e-4, atol=1e-4)

@@ -262,10 +262,11 @@ def resident_reads(registry: AppRegistry, g: RowGroup, results: list[dict], offs
                    dtype: torch.dtype, prompt_lens: list[int] | None = None) -> tuple[dict, dict]:
     """A group's reads by resident apps, shaped as the traced path returns them: per app and
     output, [rows, width, *features] at padded prompt positions (zero where a row has no token)
-    and, when generating (prompt_lens given), [rows, 1, *features] for the newest token read."""
+    and, when generating (prompt_lens given), [rows, 1, *features] for the newest token read; a read
+    of the last position (`act[:, -1]`: ResidentRead.last) without the position dim, as there."""
     prompt, generated = {}, {}
     for name in g.apps:
-        for key, (output, features) in registry.resident.get(name, {}).items():
+        for key, (output, features, last) in registry.resident.get(name, {}).items():
             at_prompt = torch.zeros(len(g.rows), width, *features, dtype=dtype)
             newest = torch.zeros(len(g.rows), 1, *features, dtype=dtype)
             for i, per_row in enumerate(results):
@@ -277,6 +278,6 @@ def resident_reads(registry: AppRegistry, g: RowGroup, results: list[dict], offs
                 at_prompt[i, positions[in_prompt] + offsets[i]] = values[in_prompt]
                 if prompt_lens and not bool(in_prompt.all()):
                     newest[i, 0] = values[-1]  # positions are sorted: the last is the newest token's
-            prompt.setdefault(name, {})[output] = at_prompt
-            generated.setdefault(name, {})[output] = newest
+            prompt.setdefault(name, {})[output] = at_prompt[:, -1] if last else at_prompt
+            generated.setdefault(name, {})[output] = newest[:, 0] if last else newest
     return prompt, generated

@@ -27,7 +27,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, ValidationError
 
 from .hook_points import feature_shape, hook_names, model_dims
-from .lowered import AffineWrite, GeneratedRead, GeneratedWrite, LoweredOp, Read, TokenOp, TokenProgram, named_tensors
+from .lowered import (AffineWrite, GeneratedRead, GeneratedWrite, LoweredOp, Read, ResidentRead, TokenOp, TokenProgram,
+                      named_tensors)
 from .ops import OPS
 
 SCHEMA_VERSION = 1
@@ -103,11 +104,13 @@ OpSpec = Annotated[Union[AffineWriteSpec, ReadSpec, GeneratedWriteSpec, Generate
 
 
 class ReadOutput(_Strict):
-    """Which of the app's outputs (`app.outputs[output]`) a read delivers, per token."""
+    """Which of the app's outputs (`app.outputs[output]`) a read delivers, per token (with `last`,
+    each request's last position: the hook read `act[:, -1]`)."""
 
     key: tuple[str, str, int]
     output: str
     feature_shape: list[int]
+    last: bool = False
 
 
 class RequestParam(_Strict):
@@ -126,6 +129,11 @@ class AppSpec(_Strict):
     ops: dict[str, list[OpSpec]]  # hook point -> its ops, in order
     reads: list[ReadOutput]
     params: list[RequestParam] = []
+
+
+def reads_of(spec: AppSpec) -> dict[tuple, ResidentRead]:
+    """An app's reads by read key, as the model and the server deliver them."""
+    return {tuple(r.key): ResidentRead(r.output, tuple(r.feature_shape), r.last) for r in spec.reads}
 
 
 def declared(spec: AppSpec) -> dict[str, tuple[float, float, float]]:
@@ -171,7 +179,7 @@ def fingerprint(model_dir: Path) -> Fingerprint:
 def write(folder: Path, model_dir: Path, apps: list[tuple[str, int, str, dict, dict, list]],
           dtype: torch.dtype = torch.float32) -> Path:
     """Write a config for `apps`: (name, version, description, ops by hook point, reads {key:
-    (output, feature shape)}, request params [(name, default, lowest, highest)]), lowered for the
+    ResidentRead}, request params [(name, default, lowest, highest)]), lowered for the
     model in `model_dir` (ops carry their params' slopes). The folder must not exist or be empty."""
     from safetensors.torch import save_file
 
@@ -185,8 +193,8 @@ def write(folder: Path, model_dir: Path, apps: list[tuple[str, int, str, dict, d
         op_specs = {point: [_op_spec(op, tensors, f"{point}.{i}") for i, op in enumerate(point_ops)]
                     for point, point_ops in ops.items()}
         specs.append(AppSpec(name=name, version=version, description=description, ops=op_specs,
-                             reads=[ReadOutput(key=key, output=output, feature_shape=list(shape))
-                                    for key, (output, shape) in reads.items()],
+                             reads=[ReadOutput(key=key, output=read.output, feature_shape=list(read.feature_shape),
+                                               last=read.last) for key, read in reads.items()],
                              params=[RequestParam(name=n, default=d, minimum=lo, maximum=hi)
                                      for n, d, lo, hi in params]))
         # each tensor its own storage: ops may share one (an SAE's encoder feeds its read and its clamp),

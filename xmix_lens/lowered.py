@@ -108,6 +108,31 @@ class GeneratedRead:
     slopes: dict = field(default_factory=dict)  # as GeneratedWrite's
 LoweredOp = AffineWrite | Read | GeneratedWrite | GeneratedRead
 
+# An installed app is traced for a pass of this many positions: two, so that a read of the last
+# one (`act[:, -1]`) is told apart from one of the first.
+RESIDENT_TRACE_LEN = 2
+
+
+class ResidentRead(NamedTuple):
+    """What a resident app's read delivers: `app.outputs[output]`, `feature_shape` per token; with
+    `last`, only each request's last position (the hook read `act[:, -1]`)."""
+
+    output: str
+    feature_shape: tuple[int, ...]
+    last: bool = False
+
+
+def per_token(op: LoweredOp) -> LoweredOp:
+    """An installed app's op as the engine keeps it: on every token. A read of the last traced
+    position becomes a read of every token whose `keeps_pos` stays False: the host keeps each
+    request's last position (a resident op cannot know which token is a request's last). Other
+    position selections are left as they are, and refused as not per token."""
+    last = [False] * (RESIDENT_TRACE_LEN - 1) + [True]
+    if isinstance(op, (Read, GeneratedRead)) and op.store is None and not op.keeps_pos \
+            and op.positions is not None and op.positions.tolist() == last:
+        return replace(op, positions=None)
+    return op
+
 
 def named_tensors(op: LoweredOp) -> list[tuple[str, torch.Tensor]]:
     """An op's tensors by field name ("scale", "bias", ..., "consts[i]" of a program)."""

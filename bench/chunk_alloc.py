@@ -1,6 +1,7 @@
-"""What a new pinned host chunk (CHUNK_BYTES, a read log's chunk until session 15) costs a step:
+"""What a new pinned host chunk (CHUNK_BYTES, the size of a read log's chunk) costs a step:
 made inline, on the step's thread, or ahead on a helper thread. The measurement behind
-`messenger.ReadLog`'s plain-memory chunks and `ReadArea`'s pinned landing slots (docs/benchmarks.md, session 15).
+`messenger.ReadLog`'s plain-memory chunks and `ReadArea`'s pinned landing slots
+(bench/results/2026-12-02-gpu-chunk-alloc.json).
 
     python -m bench.chunk_alloc --device cuda --out results.json
     python -m bench.chunk_alloc --toy                              # the CPU run the tests make

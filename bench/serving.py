@@ -6,8 +6,9 @@
 Engines (all in-process, as the facade runs vLLM; one of each, built once):
   native       vLLM's LLM, CUDA graphs on
   native_twin  a second native LLM, built after the others (native_twin): two engines of one
-               build ran vLLM's own kernels up to 2% apart, consistently within one pair (session
-               24: FlashAttention a step 9-11 us slower in the later one; the cause not pinned down);
+               build ran vLLM's own kernels up to 2% apart, consistently within one pair
+               (FlashAttention a step 9-11 us slower in the later one, the cause not pinned down:
+               bench/results/2026-12-03-gpu-bench-native-twin-decode.json);
                its ratio to native is that floor under "within noise", which the repeats on one
                pair of engines do not show
   production   xmix-lens with seven apps installed as it is built (their sites armed, nothing else);
@@ -227,8 +228,9 @@ def freeze_heap() -> int:
     generation walks: the earlier runs' results, what the engines made since they froze theirs),
     then all of it frozen, as vLLM's own serving benchmark does before it runs (`freeze_gc_heap`,
     vllm/benchmarks/serve.py): a run's collections then walk what that run makes, in every mode
-    alike. On the H200 120-1,400 objects were outside the frozen heap before a run (session 19):
-    the collections' pauses in a run (5-24 ms of the oldest generation at 256 and 512 requests,
+    alike. On the H200 120-1,400 objects were outside the frozen heap before a run
+    (`gc_tracked_before_run` in bench/results/2026-12-03-gpu-bench-read-areas.json): the
+    collections' pauses in a run (5-24 ms of the oldest generation at 256 and 512 requests,
     native's too) walk what the run itself makes, not what the bench kept."""
     from vllm.utils.gc_utils import freeze_gc_heap
 
@@ -505,8 +507,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--steer-std", type=float, default=None,
                         help="the steering vector's per-feature std; by default 0.05 (small beside a real model's "
                              "residual), with --dummy 5e-5: a dummy model's activations are about 1e-3, where 0.05 "
-                             "makes every token's residual the same vector and its GEMMs ran up to 18%% faster than "
-                             "native's (likely less power drawn: docs/benchmarks.md, sessions 16 and 17)")
+                             "makes every token's residual the same vector and its GEMMs ran faster than native's "
+                             "(likely less power drawn: bench/results/2026-12-03-gpu-bench-landing-slots.json)")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     modes = args.modes.split(",")

@@ -116,8 +116,8 @@ class PlatformKernels:
     uncompiled steps see the switch (`running`), and only while they run: vLLM shares module
     instances between the engines of one process (`get_rope` caches rotary embeddings by their
     parameters), and an engine built after a switch for good traced the platform kernel into its
-    own graph (session 24: a native engine built after an xmix-lens one ran vLLM's rotary kernel
-    where the first ran Inductor's fused code). vLLM 0.26's RMSNorm calls a vLLM IR op
+    own graph (a native engine built after an xmix-lens one ran vLLM's rotary kernel where the
+    first ran Inductor's fused code). vLLM 0.26's RMSNorm calls a vLLM IR op
     (`vllm.ir.ops.rms_norm`, `fused_add_rms_norm`) whose implementation a process-wide priority
     chooses, the native one for Inductor to lower, the platform's kernel for eager steps: the
     uncompiled engine's priority is set for the step too, and the one before it set back after.

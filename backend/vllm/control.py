@@ -240,7 +240,8 @@ class ControlPlane:
         # under a default-device context).
         # They are written through numpy views: with torch ops on these host tensors (which may hand
         # large fills to torch's intra-op threads) a prefill step's preparation took 44 ms in the
-        # engine on the H200 under the profiler, 3.3 ms through numpy (docs/benchmarks.md, session 14).
+        # engine on the H200 under the profiler, 3.3 ms through numpy (prefill_step_kernels at 256
+        # requests: bench/results/2026-12-02-gpu-bench-reads-in-model-dtype.json, ...-numpy-staging.json).
         self._staging = [torch.empty(MAX_RESIDENT_APPS * 2 * self.max_tokens, dtype=torch.int32, device="cpu",
                                      pin_memory=pin) for _ in range(STAGING_BUFFERS)]
         self._staging_np = [buffer.numpy() for buffer in self._staging]

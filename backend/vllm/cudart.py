@@ -5,9 +5,9 @@ Through torch each call walks the dispatcher and its checks, and in an engine th
 are cold when a step is prepared (the rest of the step ran between two preparations), so what a
 call costs is the code it walks. On the H200's host, with 64 MiB written before each call,
 torch's `copy_` of a step's rows took 126-138 us, `Event.record` 68-72 and `Event.query` 13-14,
-against 25-27, 13-14 and 11 us for the same calls into the CUDA runtime (`bench/cuda_calls.py`,
-docs/benchmarks.md, session 21). The calls go to the runtime torch loaded, on torch's current
-stream, so they are ordered as torch's own would be.
+against 25-27, 13-14 and 11 us for the same calls into the CUDA runtime (`bench/cuda_calls.py`:
+bench/results/2026-12-03-gpu-cuda-calls.json). The calls go to the runtime torch loaded, on
+torch's current stream, so they are ordered as torch's own would be.
 """
 import ctypes
 import functools

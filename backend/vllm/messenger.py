@@ -4,11 +4,12 @@ A read op writes each live token's value into its `step_values`: its columns of 
 device buffer [max_tokens, width] that the read ops installed together share, token-major. When
 the next step is prepared the control plane queues the copy home of the finished step's rows of
 each area: ONE copy per area and step, whatever the number of read ops (every copy is a CUDA call
-the host makes each step: 17-25 us each in an engine on the H200, docs/benchmarks.md, session
-18). The copy lands in a pinned slot (stream ordered, non-blocking), and its rows, every op's
-columns at once, move into the area's `ReadLog` (plain host chunks, each row tagged with its
-position and, per op, its request) when the slot comes round again, steps later: its copy is done
-by then (`HomeCopies`). A request's values are gathered from the log once, when taken.
+the host makes each step: with one copy per read op, queueing them was most of the control plane's
+host time a decode step on the H200, `host_ms_home_per_decode_step` in
+bench/results/2026-12-03-gpu-bench-gc-pauses-256-512.json). The copy lands in a pinned slot
+(stream ordered, non-blocking), and its rows, every op's columns at once, move into the area's
+`ReadLog` (plain host chunks, each row tagged with its position and, per op, its request) when
+the slot comes round again, steps later: its copy is done by then (`HomeCopies`). A request's values are gathered from the log once, when taken.
 
 Per step that is one copy per area, one event record, and three numpy copies on the host (the
 values, the positions, the owners): no Python object per request, step or token stays behind
@@ -115,16 +116,16 @@ class ReadLog:
     chunk is made ahead, on a helper thread (`_make_ahead`). The range, kept as rows are appended,
     makes the check one comparison over the requests alive: one over a 4 MiB chunk's tags took
     milliseconds, four chunks checked in one step where the old chunks held requests still alive
-    (on the H200 the slowest prepared step at 256 requests took 2.7 ms in session 24 and 0.8-1.0 ms
-    with the ranges in session 25, docs/benchmarks.md).
+    (on the H200 the slowest prepared step at 256 requests took 2.7 ms that way and 0.8-1.0 ms with
+    the ranges: bench/results/2026-12-04-gpu-bench-twin-seven-256-512.json).
 
     The chunks are plain host memory: pinning memory is a driver call, and each pinned chunk made
-    while the engine ran cost a step in the tail: on the H200 a new 4 MiB chunk took 2.2 ms inline,
-    and made on a helper thread the steps around it were still slower (docs/benchmarks.md, session
-    15). A new chunk's pages are written once on the helper thread (numpy lets go of the GIL
-    there): a page's first write faults, and on the steps' thread the first pass through a chunk
-    cost 20 times the copies' own time (170 against 7 us a step at 256 requests on this CPU,
-    `bench/host_step.py`, session 17).
+    while the engine ran cost a step in the tail: on the H200 a new 4 MiB chunk took 2.2 ms inline
+    (bench/results/2026-12-02-gpu-chunk-alloc.json), and made on a helper thread the steps around it
+    were still slower (bench/results/2026-12-02-gpu-bench-chunks-made-ahead.json). A new chunk's
+    pages are written once on the helper thread (numpy lets go of the GIL there): a page's first
+    write faults, and on the steps' thread the first pass through a chunk cost many times the
+    copies' own time (`bench/host_step.py`).
 
     The log is written with numpy, not torch: every torch call, a slice included, lets go of the
     GIL and then waits to get it back, up to `sys.getswitchinterval()` (5 ms) while another thread

@@ -407,8 +407,9 @@ class SiteRuntime:
     def _op_tokens(self, step: StepTokens) -> dict:
         """Every pass op's tokens in the step, on the host and (in one copy) on the device. Made
         with numpy on views of the step's host tensors: in the engine's process on the H200 host,
-        torch ops on host tensors of a prefill step's size took milliseconds each (docs/benchmarks.md,
-        session 14: the control rows' staging)."""
+        torch ops on host tensors of a prefill step's size took milliseconds each (the control rows'
+        staging: bench/results/2026-12-02-gpu-bench-reads-in-model-dtype.json against
+        ...-numpy-staging.json)."""
         chosen, parts = [], []
         rows, positions_in_view = step.row.numpy(), step.padded_pos.numpy()
         for p in self.passes.values():

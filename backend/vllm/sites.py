@@ -39,8 +39,9 @@ Each family is a table: (submodule path, placement, hook names). Placements:
                   after a low-rank write of rank > 16). So a residual write site leaves the fused op and
                   Inductor's fusions around it as they are: materialising the sum for the site
                   made Inductor fold the down projection and the add into one addmm and run the
-                  norm unfused, a slower decode step with nothing written (docs/benchmarks.md,
-                  session 16), and outputs that differed from native's.
+                  norm unfused, a slower decode step with nothing written, and outputs that
+                  differed from native's (native's tokens in 20 of 21 runs of an idle engine:
+                  bench/results/2026-12-03-gpu-bench-landing-slots.json).
   "attention"     sites on the query and key that vLLM's attention layer receives, after the
                   rotary embedding (TransformerLens's hook_rot_q / hook_rot_k): on contiguous
                   copies, as q and k may be views of one qkv tensor (see site_op.py).

@@ -1,6 +1,6 @@
 """The TransformerLens reference that compat tests compare xmix-lens against.
 
-What "equal to TransformerLens" means (docs: DESIGN.md, "Semantics"): TransformerLens 4.x
+What "equal to TransformerLens" means (docs/user-guide.md, "Semantics worth knowing"): TransformerLens 4.x
 ``TransformerBridge.boot_transformers(local_dir)`` on the CPU in fp32, then
 ``enable_compatibility_mode(no_processing=True)`` -- raw weights, as vLLM serves them (TL's default
 compatibility mode folds layer norms and centres weights, which shifts logits and residuals). The

@@ -1,4 +1,4 @@
-# GPU machine (after staging, see ../shared/gpu/README.md and docs/status.md): the served benchmark of issue #15.
+# A CUDA machine without network, vLLM 0.26.0 staged into the site folder .gpu/bin/env.sh names: the served benchmark.
 # Two servers side by side on one GPU: vLLM's own (no xmix-lens plugin loaded) and `xmix-lens serve` with the
 # seven benchmark apps (bench/serving.py) exported. vLLM's own `vllm bench serve` runs against them in turn,
 # twice over (ABAB): native; xmix with no app chosen; one steering app; all seven. One request's reads are

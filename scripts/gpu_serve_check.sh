@@ -1,4 +1,4 @@
-# GPU machine (after staging, see ../shared/gpu/README.md and docs/status.md): export two apps in-process, serve them
+# A CUDA machine without network, vLLM 0.26.0 staged into the site folder .gpu/bin/env.sh names: export two apps in-process, serve them
 # with `xmix-lens serve` (vLLM's OpenAI server + an app config, CUDA graphs on), choose them per request with the
 # openai client. Output under $OUT: serve.log, choices.json.
 set -u

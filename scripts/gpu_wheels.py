@@ -1,6 +1,6 @@
-"""TransformerLens for the lent GPU machine, whose image lacks it: its wheel and those of the pure-Python
-packages its import needs, at this checkout's versions, into the ignored `.whl/` (carried beside the
-vLLM bundle; ../shared/gpu/README.md), then installed there into the bundle's folder, each only where
+"""TransformerLens for a CUDA machine without network whose image lacks it: its wheel and those of the
+pure-Python packages its import needs, at this checkout's versions, into the ignored `.whl/` (carried
+there beside the staged vLLM 0.26.0 wheels), then installed there into vLLM's site folder, each only where
 the image lacks the module (the image's own packages are left as they are).
 
     .venv/bin/python scripts/gpu_wheels.py download            # here, once per machine (about 7 MB)

@@ -1,4 +1,4 @@
-"""The layers point down: API -> trace -> IR -> lower -> kernels -> backend, as docs/architecture.md draws.
+"""The layers' imports point down (LAYERS and MAY_IMPORT below; docs/architecture.md draws them).
 
 Every import in the installed package (module level or inside a function: a lazy import is still a
 dependency) is checked against what its layer may import, and the hook IR loads without vLLM."""

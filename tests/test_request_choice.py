@@ -7,6 +7,7 @@ import re
 import pytest
 
 from xmix_lens.backend.vllm import serving
+from xmix_lens.lowered import ResidentRead
 from xmix_lens.request_choice import APPS_KEY, READS_KEY, chosen_apps, chosen_values, salt
 
 INSTALLED = ["steer", "probe", "gate"]
@@ -100,8 +101,8 @@ def test_the_api_server_salts_choices_and_refuses_bad_ones(monkeypatch):
 
 
 def test_reads_go_out_as_json_per_prompt_within_a_bound():
-    outputs = {("probe", ("prefill", "blocks.1.hook_resid_post", 0)): ("score", ()),
-               ("sae", ("prefill", "blocks.0.hook_resid_post", 1)): ("features", (2,))}
+    outputs = {("probe", ("prefill", "blocks.1.hook_resid_post", 0)): ResidentRead("score", ()),
+               ("sae", ("prefill", "blocks.0.hook_resid_post", 1)): ResidentRead("features", (2,))}
     per_prompt = [(1, [("probe", ["prefill", "blocks.1.hook_resid_post", 0], [0, 1, 2], [[0.5], [1.5], [2.5]])]),
                   (0, [("sae", ["prefill", "blocks.0.hook_resid_post", 1], [0, 1], [[1, 2], [3, 4]])])]
     # 5 numbers: prompt 0's two positions of width 2, then the latest position of prompt 1 that fits

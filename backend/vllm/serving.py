@@ -206,7 +206,7 @@ def reads_json(per_prompt: list, outputs: dict, max_values: int) -> list[dict]:
     for index, reads in sorted(per_prompt, key=lambda item: item[0]):
         apps = {}
         for app, key, positions, values in reads:
-            output, shape, _ = outputs[(app, tuple(key))]
+            output, shape, _ = outputs[(app, tuple(key))]  # a ResidentRead
             width = math.prod(shape)
             kept = min(len(positions), budget // max(width, 1))
             budget -= kept * width

@@ -3,7 +3,7 @@
     xmix_lens.set_verbosity("info")        # or, before the model is built: XMIX_LENS_VERBOSITY=info
 
 - "quiet" (the default): vLLM's warnings that a user can act on, and errors; a progress line while
-  the engine starts (compiling takes about a minute on a small CPU); none of vLLM's INFO lines, none
+  the engine starts (compiling takes longest the first time); none of vLLM's INFO lines, none
   of the warnings no user can act on (backend/vllm/logs.py lists them, each with why), none of
   Triton's "nanobind: leaked ..." lines at interpreter exit.
 - "info": vLLM's own INFO logging (its config dump, the model load, the KV cache), everything printed.
@@ -148,7 +148,7 @@ class StartupProgress:
             return self
         from tqdm import tqdm
 
-        hint = " (torch.compile: about a minute on a small CPU)" if self.compiled else ""
+        hint = " (torch.compile; the first start takes longest)" if self.compiled else ""
         self.bar = tqdm(desc=f"starting vLLM for {self.what}{hint}", bar_format="{desc}: {elapsed}",
                         file=sys.stderr, leave=True)
         threading.Thread(target=self._tick, daemon=True).start()

@@ -16,8 +16,6 @@ from xmix_lens import HookedServedModel, apps
 from xmix_lens.request_choice import APPS_KEY, READS_KEY
 
 SHIPPED = ("actadd", "ablate", "truth", "cast", "harm", "iti", "sae")
-# what keeps them per call: a prompt-level store
-NOT_RESIDENT_YET = {"cast": "its condition is a prompt-level store", "harm": "its score is a prompt-level store"}
 PROMPTS = ["The cat sat on the mat and looked", "One two three four", "A quick brown fox jumps"]
 
 
@@ -41,10 +39,6 @@ def shipped_apps(cfg, seed: int = 0) -> list:
     ]
 
 
-def resident_now(built: list) -> list:
-    return [app for app in built if app.name not in NOT_RESIDENT_YET]
-
-
 def hooks_of(built: list) -> list:
     return [hook for app in built for hook in app.fwd_hooks]
 
@@ -60,11 +54,14 @@ def assert_resident_equals_per_call(model, built: list) -> None:
     gap = float((resident.result - per_call).abs()[mask].max())
     assert gap < 1e-3 * float(per_call.abs().max()), gap
     assert float((resident.result - plain).abs()[mask].max()) > 100 * max(gap, 1e-6)
-    by_name = {app.name: app for app in built}
-    for name, output in (("sae", "features"), ("truth", "scores"), ("truth", "last")):
-        ours, theirs = resident.outputs[name][output], by_name[name].outputs[output]
-        assert ours.shape == theirs.shape and float(theirs.abs().max()) > 0.1
-        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+    compared = 0
+    for app in built:  # every read, as the per-call run left it in app.outputs
+        for output, theirs in app.outputs.items():
+            ours = resident.outputs[app.name][output]
+            assert ours.shape == theirs.shape, (app.name, output)
+            torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+            compared += float(theirs.abs().max()) > 0.1
+    assert compared >= 4  # reads that are not all zero
 
 
 @pytest.fixture(scope="module", params=[30, 80], ids=lambda n: f"{n}-layers")
@@ -80,8 +77,7 @@ def deep(request):
     model.shutdown()
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(reason=NOT_RESIDENT_YET[n], strict=True))
-                                  if n in NOT_RESIDENT_YET else n for n in SHIPPED])
+@pytest.mark.parametrize("name", SHIPPED)
 def test_every_shipped_app_is_resident_at_once_on_a_deep_model(deep, name):
     model, _ = deep
     assert name in model.engine.installed
@@ -90,14 +86,30 @@ def test_every_shipped_app_is_resident_at_once_on_a_deep_model(deep, name):
 def test_the_resident_shipped_apps_equal_their_hooks_per_call_on_a_deep_model(deep):
     model, built = deep
     assert len(built[1].fwd_hooks) == 2 * model.cfg.n_layers + 1  # the ablation's ops: one control row
-    assert_resident_equals_per_call(model, resident_now(built))
+    assert_resident_equals_per_call(model, built)
+
+
+@pytest.mark.parametrize("names", [["cast"], ["harm"], list(SHIPPED)])
+def test_resident_prompt_level_stores_gate_generated_tokens_as_per_call(deep, names):
+    """cast and harm keep their prompt's mean in the engine, per request: the generated tokens read it."""
+    model, built = deep
+    chosen = [app for app in built if app.name in names]
+    resident = model.generate(PROMPTS, max_new_tokens=6, do_sample=False, padding_side="left", apps=names,
+                              return_type="tokens")
+    per_call = model.generate(PROMPTS, max_new_tokens=6, do_sample=False, padding_side="left",
+                              fwd_hooks=hooks_of(chosen), return_type="tokens")
+    assert torch.equal(resident.result, per_call)
+    for app in chosen:  # the stores' reads: the prompt's value, the same for the prompt and its tokens
+        for output, theirs in app.outputs.items():
+            if app.name in ("cast", "harm"):
+                torch.testing.assert_close(resident.outputs[app.name][output], theirs, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-gpt2"])
 def test_shipped_apps_export_and_install_from_their_config(served, tmp_path, name):
     """Exported in one config and installed from it, the apps give what their hooks give per call."""
     model = served[name]
-    built = resident_now(shipped_apps(model.cfg))
+    built = shipped_apps(model.cfg)
     names = model.install_config(model.export(built, tmp_path / "apps"))
     try:
         assert names == [app.name for app in built] and set(names) <= set(model.engine.installed)
@@ -112,7 +124,7 @@ def smollm2_server(served, tmp_path_factory):
     """`xmix-lens serve CONFIG -- smollm2-135m`: the embedded name, no memory or dtype flag; and the
     in-process SmolLM2 with the same config installed."""
     model = served["smollm2"]
-    built = resident_now(shipped_apps(model.cfg))
+    built = shipped_apps(model.cfg)
     config = model.export(built, tmp_path_factory.mktemp("shipped") / "apps")
     port = free_port()
     command = [sys.executable, "-m", "xmix_lens.cli", "serve", str(config), "--", "smollm2-135m", "--enforce-eager",
@@ -137,7 +149,7 @@ def test_serve_takes_the_embedded_name_and_says_its_dtype_and_memory(smollm2_ser
     assert f"xmix-lens: installing apps {names}" in server.output()
 
 
-@pytest.mark.parametrize("choice", [["actadd"], ["ablate"], ["iti"], ["sae"], ["actadd", "ablate", "truth", "iti", "sae"]])
+@pytest.mark.parametrize("choice", [["actadd"], ["ablate"], ["iti"], ["sae"], list(SHIPPED)])
 def test_served_shipped_apps_run_as_in_process(smollm2_server, choice):
     server, model, _ = smollm2_server
     ids = model.to_tokens(PROMPTS[0], prepend_bos=False)[0].tolist()
@@ -165,14 +177,17 @@ def test_served_and_in_process_reads_agree_to_the_dtypes_precision(smollm2_serve
     torch.testing.assert_close(theirs, ours[read["positions"]], rtol=1e-4, atol=1e-4)  # float32 on both sides
 
 
-def test_a_served_read_of_the_last_position_is_the_prompts_end(smollm2_server):
-    """truth's `last` output (act[:, -1] @ w) comes back by default at the prompt's last position,
-    equal to the in-process call's."""
+@pytest.mark.parametrize("app,outputs", [("truth", ["last"]), ("cast", ["similarity", "gate"]),
+                                         ("harm", ["score", "flag"])])
+def test_a_served_read_of_the_last_position_is_the_prompts_end(smollm2_server, app, outputs):
+    """Reads of act[:, -1] (truth's `last`; cast's and harm's reads of their prompt-level stores) come
+    back by default at the prompt's last position, equal to the in-process call's."""
     server, model, _ = smollm2_server
     ids = model.to_tokens(PROMPTS[2], prepend_bos=False)[0].tolist()
     out = server.client().completions.create(model="smollm2-135m", prompt=ids, max_tokens=2, temperature=0,
-                                             extra_body={"vllm_xargs": {APPS_KEY: "truth"}})
-    read = out.model_extra["xmix_reads"][0]["apps"]["truth"]["last"]
-    assert read["positions"] == [len(ids) - 1]
-    ours = model.run_with_hooks(torch.tensor([ids]), apps=["truth"]).outputs["truth"]["last"]
-    torch.testing.assert_close(torch.tensor(read["values"]), ours, rtol=1e-4, atol=1e-4)
+                                             extra_body={"vllm_xargs": {APPS_KEY: app}})
+    ours = model.run_with_hooks(torch.tensor([ids]), apps=[app]).outputs[app]
+    for output in outputs:
+        read = out.model_extra["xmix_reads"][0]["apps"][app][output]
+        assert read["positions"] == [len(ids) - 1]
+        torch.testing.assert_close(torch.tensor(read["values"]), ours[output], rtol=1e-4, atol=1e-4)

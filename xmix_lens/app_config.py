@@ -30,6 +30,7 @@ from .hook_points import feature_shape, hook_names, model_dims
 from .lowered import (AffineWrite, GeneratedRead, GeneratedWrite, LoweredOp, Read, ResidentRead, TokenOp, TokenProgram,
                       named_tensors)
 from .ops import OPS
+from .stores import StoreSpec
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
@@ -66,12 +67,20 @@ class AffineWriteSpec(_Strict):
     slopes: Slopes = {}  # fields: "bias"
 
 
+class StorePut(_Strict):
+    """A read whose values fold into a prompt-level store of the app instead of going home."""
+
+    name: str
+    reduce: Literal["mean", "sum"]
+
+
 class ReadSpec(_Strict):
     kind: Literal["read"]
-    key: tuple[str, str, int]  # the read's key in the engine: (phase, hook point, index)
+    key: tuple[str, str, int] | tuple[Literal["store"], str]  # (phase, hook point, index), or a put's ("store", name)
     W: str | None
     bias: str | None
     feature_shape: list[int]
+    store: StorePut | None = None
 
 
 class TokenOpSpec(_Strict):
@@ -90,14 +99,17 @@ class GeneratedWriteSpec(_Strict):
     kind: Literal["generated_write"]
     program: ProgramSpec
     slopes: Slopes = {}  # fields: "consts[i]"
+    store_tables: dict[int, str] = {}  # const index -> the store whose per-request values it reads
 
 
 class GeneratedReadSpec(_Strict):
     kind: Literal["generated_read"]
-    key: tuple[str, str, int]
+    key: tuple[str, str, int] | tuple[Literal["store"], str]
     program: ProgramSpec
     feature_shape: list[int]
     slopes: Slopes = {}
+    store: StorePut | None = None
+    store_tables: dict[int, str] = {}
 
 
 OpSpec = Annotated[Union[AffineWriteSpec, ReadSpec, GeneratedWriteSpec, GeneratedReadSpec], Field(discriminator="kind")]
@@ -213,23 +225,26 @@ def _op_spec(op: LoweredOp, tensors: dict, prefix: str):
         tensors[f"{prefix}.{name}"] = t
         return f"{prefix}.{name}"
 
-    if op.positions is not None or getattr(op, "store", None) is not None:
-        raise ValueError("an op that selects positions or uses a store is not resident")  # export checked before
+    if op.positions is not None:
+        raise ValueError("an op that selects positions is not resident")  # export checked before
     slopes = {param: {field: ref(f"slope.{param}.{field}", t) for field, t in by_field.items()}
               for param, by_field in getattr(op, "slopes", {}).items()}
+    store = getattr(op, "store", None)
+    store = StorePut(name=store.name, reduce=store.reduce) if store is not None else None
     if isinstance(op, AffineWrite):
         return AffineWriteSpec(kind="affine_write", scale=ref("scale", op.scale), bias=ref("bias", op.bias),
                                U=ref("U", op.U), V=ref("V", op.V), slopes=slopes)
     if isinstance(op, Read):
         return ReadSpec(kind="read", key=op.key, W=ref("W", op.W), bias=ref("bias", op.bias),
-                        feature_shape=list(op.feature_shape))
+                        feature_shape=list(op.feature_shape), store=store)
+    tables = op.store_tables  # a store's table is the engine's: its shape, not its values, is written
     program = ProgramSpec(ops=[TokenOpSpec(op=o.op, args=list(o.args), shape=list(o.shape)) for o in op.program.ops],
-                          consts=[ref(f"const{i}", c) for i, c in enumerate(op.program.consts)],
+                          consts=[ref(f"const{i}", c[:1] if i in tables else c) for i, c in enumerate(op.program.consts)],
                           output=op.program.output)
     if isinstance(op, GeneratedWrite):
-        return GeneratedWriteSpec(kind="generated_write", program=program, slopes=slopes)
+        return GeneratedWriteSpec(kind="generated_write", program=program, slopes=slopes, store_tables=tables)
     return GeneratedReadSpec(kind="generated_read", key=op.key, program=program, feature_shape=list(op.feature_shape),
-                             slopes=slopes)
+                             slopes=slopes, store=store, store_tables=tables)
 
 
 # --- reading ------------------------------------------------------------------------------------
@@ -306,14 +321,20 @@ def _op(app: str, where: str, spec, tensors: dict, F: int) -> LoweredOp:
         K = tensors[spec.U].shape[-1] if spec.U in tensors else None  # the low rank: U's to decide
         return AffineWrite(None, get(spec.scale, "scale", (F,)), get(spec.bias, "bias", (F,)),
                            get(spec.U, "U", (F, K)), get(spec.V, "V", (K, F)))
+    store = StoreSpec(spec.store.name, spec.store.reduce, tuple(spec.feature_shape)) \
+        if getattr(spec, "store", None) is not None else None
     if isinstance(spec, ReadSpec):
         O = math.prod(spec.feature_shape)
         return Read(spec.key, None, True, get(spec.W, "W", (F, O)), get(spec.bias, "bias", (O,)),
-                    tuple(spec.feature_shape))
+                    tuple(spec.feature_shape), store)
     program = _program(app, where, spec.program, get)
+    if any(i >= len(program.consts) for i in spec.store_tables):
+        raise ConfigError(f"app {app!r}: {where}.store_tables names a const the program does not have; export the "
+                          f"app again")
     if isinstance(spec, GeneratedWriteSpec):
-        return GeneratedWrite(None, program)
-    return GeneratedRead(spec.key, None, True, program, tuple(spec.feature_shape))
+        return GeneratedWrite(None, program, store_tables=dict(spec.store_tables))
+    return GeneratedRead(spec.key, None, True, program, tuple(spec.feature_shape), store,
+                         store_tables=dict(spec.store_tables))
 
 
 def _with_slopes(app: AppSpec, where: str, spec, op: LoweredOp, tensors: dict) -> LoweredOp:

@@ -93,6 +93,9 @@ class GeneratedWrite:
     program: TokenProgram
     # per-request parameters (app configs): {param: {"consts[i]": slope}}, as AffineWrite's
     slopes: dict = field(default_factory=dict)
+    # resident ops: {const index: store name}, tables of a per-request store (store.put(..., reduce=)),
+    # which the engine binds to the store's per-request values (backend/vllm/control.py)
+    store_tables: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -106,6 +109,7 @@ class GeneratedRead:
     feature_shape: tuple[int, ...]
     store: object = None  # a StoreSpec: the value goes to that device store instead of the host
     slopes: dict = field(default_factory=dict)  # as GeneratedWrite's
+    store_tables: dict = field(default_factory=dict)  # as GeneratedWrite's
 LoweredOp = AffineWrite | Read | GeneratedWrite | GeneratedRead
 
 # An installed app is traced for a pass of this many positions: two, so that a read of the last
@@ -122,15 +126,31 @@ class ResidentRead(NamedTuple):
     last: bool = False
 
 
-def per_token(op: LoweredOp) -> LoweredOp:
-    """An installed app's op as the engine keeps it: on every token. A read of the last traced
-    position becomes a read of every token whose `keeps_pos` stays False: the host keeps each
-    request's last position (a resident op cannot know which token is a request's last). Other
-    position selections are left as they are, and refused as not per token."""
+def resident_form(ops_by_point: dict[str, list[LoweredOp]]) -> dict[str, list[LoweredOp]]:
+    """An installed app's ops (traced for RESIDENT_TRACE_LEN positions) as the engine keeps them, on
+    every token: a read of the last position reads every token, its `keeps_pos` False telling the
+    host to keep each request's last position (a resident op cannot know which token is a request's
+    last); a program's table of a store the app puts is named in its `store_tables`. Other position
+    selections are left as they are, and refused as not per token (control.check_resident)."""
+    stores = {_storage(t): op.store.name for ops in ops_by_point.values() for op in ops
+              if getattr(op, "store", None) is not None for t in (op.store.buffer, op.store.row_buffer)}
+    return {point: [_resident_op(op, stores) for op in ops] for point, ops in ops_by_point.items()}
+
+
+def _storage(t: torch.Tensor) -> int:
+    """Which memory a tensor views (a program's table of a store is a reshaped view of its buffer)."""
+    return t.untyped_storage().data_ptr()
+
+
+def _resident_op(op: LoweredOp, stores: dict[int, str]) -> LoweredOp:
     last = [False] * (RESIDENT_TRACE_LEN - 1) + [True]
     if isinstance(op, (Read, GeneratedRead)) and op.store is None and not op.keeps_pos \
             and op.positions is not None and op.positions.tolist() == last:
-        return replace(op, positions=None)
+        op = replace(op, positions=None)
+    if isinstance(op, (GeneratedWrite, GeneratedRead)):
+        tables = {i: stores[_storage(c)] for i, c in enumerate(op.program.consts) if _storage(c) in stores}
+        if tables:
+            op = replace(op, store_tables=tables)
     return op
 
 
@@ -164,10 +184,12 @@ def op_digest(op: LoweredOp) -> bytes:
     """Bytes that change whenever what the op does changes (its kind, positions and tensors)."""
     h = hashlib.sha256(type(op).__name__.encode())
     program = getattr(op, "program", None)
-    tensors = [op.positions] + ([*program.consts] if program else
+    stores = getattr(op, "store_tables", {})  # a store's values change as requests run: its name counts
+    tensors = [op.positions] + ([c for i, c in enumerate(program.consts) if i not in stores] if program else
                                 [getattr(op, name, None) for name in ("scale", "bias", "U", "V", "W")])
     if program:
         h.update(repr([(o.op, o.args, o.shape) for o in program.ops]).encode())
+    h.update(repr((sorted(stores.items()), getattr(getattr(op, "store", None), "name", None))).encode())
     for t in tensors:
         if t is not None:
             h.update(repr((t.dtype, tuple(t.shape))).encode())

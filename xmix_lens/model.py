@@ -25,7 +25,7 @@ from .app import App, AppRegistry, AppRun, RowGroup, attached, group_rows, merge
 from .hook_points import HookPoint
 from .lower import lower
 from .lowered import (RESIDENT_TRACE_LEN, AffineWrite, GeneratedRead, GeneratedWrite, Read, ResidentRead, describe,
-                      named_tensors, per_token)
+                      named_tensors, resident_form)
 from .model_files import resolve_model
 from .passes import PassPlan, PhaseOps
 from .trace import TraceError, Tracer, as_parameters, hook_that_raised, traced_once_for
@@ -942,8 +942,8 @@ class HookedServedModel:
 
     def _lower_app(self, name: str, fwd_hooks: Iterable[HookSpec], params: dict | None = None) -> PhaseOps:
         """An installed app's hooks, traced for a pass of RESIDENT_TRACE_LEN positions (they run on
-        every token of the requests that select them) and lowered per token (lowered.per_token). Only these hooks are traced, whatever else is
-        on the hook points. With `params` (the App's), each parameter is a named input of the
+        every token of the requests that select them) and lowered in the engine's resident form
+        (lowered.resident_form). Only these hooks are traced, whatever else is on the hook points. With `params` (the App's), each parameter is a named input of the
         graphs, so that new values are lowered again from the graphs without calling the hooks."""
         hooks: dict[str, list[HookFn]] = {}
         for point, fn in self._check_hooks(fwd_hooks, ()):
@@ -959,9 +959,7 @@ class HookedServedModel:
                     traced = self._trace_hooks(1, RESIDENT_TRACE_LEN, hooks=hooks, params=values)
             else:
                 traced = self._trace_hooks(1, RESIDENT_TRACE_LEN, hooks=hooks)
-        if traced.per_request_stores:
-            raise ValueError(f"app {name!r}: installed apps do not use stores yet; run its hooks with run_with_hooks")
-        traced.ops = {point: [per_token(op) for op in ops] for point, ops in traced.ops.items()}
+        traced.ops = resident_form(traced.ops)
         return traced
 
     def _groups(self, selection: list[tuple[str, ...]] | None, n_rows: int) -> list[RowGroup]:
@@ -1235,7 +1233,7 @@ class HookedServedModel:
         values in app.params (the hooks are not called) and copied in place: refused, changing
         nothing, if the new values change what its hooks do."""
         graphs = self.app_registry.graphs[app.name]
-        ops = {g.hook_name: [per_token(op) for op in site_ops] for g in graphs if (site_ops := lower(g, app.params))}
+        ops = resident_form({g.hook_name: site_ops for g in graphs if (site_ops := lower(g, app.params))})
         self.engine.set_app_params(app.name, ops)
         self.app_registry.lowered_versions[app.name] = app.param_versions()
 

@@ -5,7 +5,8 @@ life of the engine, with their tensors at fixed device addresses. At a site, eve
 launched over all of the step's tokens, every step, with the same arguments:
 
     rows  = control[app, ROWS, :T]    token t, or -1 where the op leaves the token alone
-    table = control[app, TABLE, :T]   the row of the op's request-value tables the token uses (0: defaults)
+    table = control[app, TABLE, :T]   the token's request's slot in the app's per-request tables (0: defaults)
+    put   = control[app, PUT, :T]     its slot where the token is one of its request's prompt, else 0
 
 Both follow from the requests' choice of the app alone, so every op of an app reads its app's
 control row: an app takes one row however many ops it has (directional ablation on an 80-layer
@@ -22,6 +23,14 @@ parameters a later step has: between steps the host only writes buffers.
     whose bias or program consts move with them holds them as a table, row 0 the defaults, and a
     request with values gets a row of its own (its slot) while it runs: bias = default +
     (value - default) * slope, written when the request is selected.
+  - a prompt-level store (`store.put(key, v, reduce="mean" | "sum")`, then `store.get(key)` at the same
+    or a later hook point, on the prompt and on every generated token): per app and store, device
+    tables of a row per request slot. A put launch adds its prompt tokens' values into their
+    request's row (`put`; other tokens into row 0, cleared after) and makes the row's value (the
+    mean: the sum over the count); a get is a program's table of those values, read at the
+    token's slot (`table`). A request's row is cleared in the step that computes its position 0,
+    so that a recomputed (preempted) request counts each position once. As the per-call path, a
+    prompt split over chunked-prefill steps sees, in its first chunks, the mean so far.
 Nothing is recaptured, restarted or drained for any of these.
 
 Reads (the messenger, messenger.py): a read op writes each live token's value into its
@@ -63,7 +72,9 @@ from .sharding import Placed, on_site
 
 MAX_RESIDENT_APPS = 64  # control rows, one an app: its bit in a request's uint64 mask
 STAGING_BUFFERS = 2  # so that a copy still in flight is never overwritten by the next step's staging
-ROWS, TABLE = 0, 1
+ROWS, TABLE, PUT = 0, 1, 2
+CONTROL_KINDS = 3  # rows a control row holds per token: ROWS, TABLE and PUT
+REDUCTIONS = ("mean", "sum")  # what a resident store folds its prompt's values with
 
 
 class ResidentCapacityError(ValueError):
@@ -84,11 +95,48 @@ class ResidentOp:
     retired: bool = False  # its app was uninstalled; kept only because a captured graph launches it
     placed: Placed | None = None  # at a sharded site of a TP engine: how this rank runs it
     tables: dict = field(default_factory=dict)  # field ("bias", "consts[i]") -> [slots, ...]: row 0 the default
+    store: "ResidentStore | None" = None  # a put: the store its values fold into (step_values: its scratch)
 
     @property
     def reads_home(self) -> bool:
         """A read whose values this rank keeps in its area's log (TP: rank 0's)."""
         return self.area is not None and self.area.log is not None
+
+
+@dataclass
+class ResidentStore:
+    """A prompt-level store of a resident app: per request slot (row 0: trash), the sum of its
+    prompt's values, their count and the value gets read (`values`: the mean, or the sum itself)."""
+
+    reduce: str
+    sums: torch.Tensor  # [slots, O] float32
+    counts: torch.Tensor  # [slots] float32
+    values: torch.Tensor  # [slots, O] float32: what a get's table reads
+    divisors: torch.Tensor  # [slots] float32: counts, at least 1 (made in place: a launch allocates nothing)
+    ones: torch.Tensor  # [max_tokens] float32: a token's count
+
+    @classmethod
+    def make(cls, reduce: str, width: int, slots: int, max_tokens: int, device) -> "ResidentStore":
+        sums = torch.zeros(slots, width, dtype=torch.float32, device=device)
+        counts = torch.zeros(slots, dtype=torch.float32, device=device)
+        values = sums if reduce == "sum" else torch.zeros_like(sums)
+        return cls(reduce, sums, counts, values, torch.ones_like(counts),
+                   torch.ones(max_tokens, dtype=torch.float32, device=device))
+
+    def fold(self, step_values: torch.Tensor, put: torch.Tensor) -> None:
+        """The step's prompt tokens' values into their requests' rows (`put`: each token's slot, 0
+        where it adds nothing), and the rows' values made again."""
+        self.sums.index_add_(0, put, step_values)
+        self.counts.index_add_(0, put, self.ones[: put.shape[0]])
+        self.sums[0].zero_()
+        self.counts[0].zero_()
+        if self.reduce == "mean":
+            torch.clamp(self.counts, min=1.0, out=self.divisors)
+            torch.div(self.sums, self.divisors[:, None], out=self.values)
+
+    def clear(self, slots: torch.Tensor) -> None:
+        for t in (self.sums, self.counts, self.values):
+            t.index_fill_(0, slots, 0.0)
 
 
 @dataclass(frozen=True)
@@ -106,6 +154,7 @@ class ResidentApp:
     name: str
     ops: list[ResidentOp]
     row: int  # its control row, which all its ops read; also its bit in the requests' masks
+    stores: dict = field(default_factory=dict)  # name -> ResidentStore: its prompt-level stores
     version: int = 0
     digest: bytes = b""  # of what its ops do now: the prefix-cache salt of requests that select it
     params: dict = field(default_factory=dict)  # request params: name -> (default, lowest, highest)
@@ -208,7 +257,9 @@ class _Layout:
     shifts: np.ndarray  # [n, 1] uint64: each app's bit (its row)
     reads: np.ndarray  # per op with a read log: its app's position in `rows`
     read_ops: list  # those ops
-    table_apps: list  # apps with an op that has request-value tables
+    table_apps: list  # apps with per-request table rows: an op's request-value tables, or stores
+    store_apps: list  # apps with prompt-level stores
+    at: dict  # app name -> its position in `rows`
 
 
 @dataclass
@@ -231,10 +282,11 @@ class ControlPlane:
         pin = self.device.type == "cuda"
         # its own executor: launches whose arguments are all fixed-address buffers
         self.executor = Executor(self.device, self.max_tokens)
-        self.control = torch.full((MAX_RESIDENT_APPS, 2, self.max_tokens), -1, dtype=torch.int32, device=self.device)
-        self.control[:, TABLE] = 0
+        self.control = torch.full((MAX_RESIDENT_APPS, CONTROL_KINDS, self.max_tokens), -1, dtype=torch.int32,
+                                  device=self.device)
+        self.control[:, TABLE:] = 0
         self._tokens = torch.arange(self.max_tokens, dtype=torch.int32, device=self.device)  # a read's row per token
-        # A step's rows are staged on the host as one contiguous [apps, 2, width] block at the front of
+        # A step's rows are staged on the host as one contiguous [apps, kinds, width] block at the front of
         # a flat pinned buffer, copied into `control[:apps, :, :width]` by one runtime call
         # (`_row_copier`). Staging buffers take turns (device="cpu" explicitly: vLLM builds the model
         # under a default-device context).
@@ -242,7 +294,7 @@ class ControlPlane:
         # large fills to torch's intra-op threads) a prefill step's preparation took 44 ms in the
         # engine on the H200 under the profiler, 3.3 ms through numpy (prefill_step_kernels at 256
         # requests: bench/results/2026-12-02-gpu-bench-reads-in-model-dtype.json, ...-numpy-staging.json).
-        self._staging = [torch.empty(MAX_RESIDENT_APPS * 2 * self.max_tokens, dtype=torch.int32, device="cpu",
+        self._staging = [torch.empty(MAX_RESIDENT_APPS * CONTROL_KINDS * self.max_tokens, dtype=torch.int32, device="cpu",
                                      pin_memory=pin) for _ in range(STAGING_BUFFERS)]
         self._staging_np = [buffer.numpy() for buffer in self._staging]
         self._staged_count = 0
@@ -277,7 +329,8 @@ class ControlPlane:
         self._default_bits = 0
         self._idle = True  # the device rows are all -1
         self._free_slots = list(range(1, self.max_requests + 1))  # table rows for requests' own values
-        self._slot: dict[str, tuple[int, frozenset]] = {}  # request id -> (its table row, apps it set values of)
+        self._slot: dict[str, tuple[int, frozenset]] = {}  # request id -> (its table row, apps that use it)
+        self._prompt_len: dict[str, int] = {}  # request id -> its prompt's length (for prompt-level stores)
 
     @property
     def ops(self) -> list[ResidentOp]:
@@ -297,21 +350,31 @@ class ControlPlane:
                 "use, or build a new engine (from_pretrained) for more")
         check_resident(name, ops_by_site)  # every op checked before any is installed
         row = free[0]
+        stores = {op.store.name: ResidentStore.make(op.store.reduce, _read_width(op), self.max_requests + 1,
+                                                    self.max_tokens, self.device)
+                  for ops in ops_by_site.values() for op, _ in map(_unplaced, ops) if getattr(op, "store", None)}
         resident, reads = [], []
         for site, ops in ops_by_site.items():
             for op in ops:
                 op, placed = _unplaced(op)
+                if stores and placed is not None:
+                    raise ValueError(f"app {name!r}: prompt-level stores on a tensor-parallel engine are not "
+                                     "supported; serve it with tensor_parallel_size 1")
                 if isinstance(op, Read) and op.W is not None and op.bias is None:
                     op = replace(op, bias=torch.zeros(op.W.shape[1]))  # allocated once, not per launch
-                op, tables = self._with_tables(name, to_device(op, self.device), placed)
+                op, tables = self._with_tables(name, _bound_to(to_device(op, self.device), stores), placed)
                 entry = ResidentOp(name, site, row, op, placed=placed, tables=tables)
-                if isinstance(op, (Read, GeneratedRead)):
+                if getattr(op, "store", None) is not None:  # a put: its values fold into the store
+                    entry.store = stores[op.store.name]
+                    entry.step_values = torch.zeros(self.max_tokens, _read_width(op), dtype=torch.float32,
+                                                    device=self.device)
+                elif isinstance(op, (Read, GeneratedRead)):
                     reads.append(entry)
                 self.by_site.setdefault(site, []).append(entry)
                 resident.append(entry)
         if reads:
             self._place_reads(reads)
-        app = self.apps[name] = ResidentApp(name, resident, row, params=dict(params or {}))
+        app = self.apps[name] = ResidentApp(name, resident, row, stores, params=dict(params or {}))
         app.refresh_digest()
         self.rows += [None] * (row + 1 - len(self.rows))
         self.rows[row] = app
@@ -401,21 +464,29 @@ class ControlPlane:
         for name in names:
             self._app(name)
 
-    def select(self, req_id: str, names, values: dict | None = None) -> None:
-        """A request's apps; `values` {app: {param: value}}: its own values of their request params."""
+    def select(self, req_id: str, names, values: dict | None = None, prompt_len: int | None = None) -> None:
+        """A request's apps; `values` {app: {param: value}}: its own values of their request params;
+        `prompt_len`: its prompt's length, which apps with prompt-level stores need."""
         self.check_installed(names)
+        storing = {app for app in names if self.apps[app].stores}
+        if storing and prompt_len is None:
+            raise ValueError(f"apps {sorted(storing)} keep prompt-level stores: choosing them needs the request's "
+                             "prompt length")
         self.selected[req_id] = frozenset(names)
         self._request_bits[req_id] = self._bits(names)
         self._numbered(req_id)
         self._choices_version += 1
+        if prompt_len is not None:
+            self._prompt_len[req_id] = prompt_len
         valued = {app: v for app, v in (values or {}).items() if app in names and v}
-        if valued and req_id not in self._slot:
+        if (valued or storing) and req_id not in self._slot:  # a row of its own in the apps' tables
             if not self._free_slots:
-                raise RuntimeError(f"{self.max_requests} requests with their own app-param values run already")
+                raise RuntimeError(f"{self.max_requests} requests with their own app-param values or stores run "
+                                   "already")
             slot = self._free_slots.pop()
-            self._slot[req_id] = (slot, frozenset(valued))
-            for app, by_param in valued.items():
-                params = self.apps[app].params
+            self._slot[req_id] = (slot, frozenset(valued) | storing)
+            for app in set(valued) | storing:
+                by_param, params = valued.get(app, {}), self.apps[app].params
                 for entry in self.apps[app].ops:
                     for f, table in entry.tables.items():
                         row = table[0].clone()
@@ -428,12 +499,16 @@ class ControlPlane:
     def release_values(self, req_id: str) -> None:
         """A request stops running: its table row is free (its choice may stay, for its reads)."""
         slot = self._slot.pop(req_id, None)
+        self._prompt_len.pop(req_id, None)
         if slot is not None:
             self._free_slots.append(slot[0])
             self._choices_version += 1  # a step's table rows name it no more
 
     def set_defaults(self, names) -> None:
         self.check_installed(names)
+        if storing := sorted(name for name in names if self.apps[name].stores):
+            raise ValueError(f"apps {storing} keep prompt-level stores, which need each request's prompt length: "
+                             "choose them per request (vllm_xargs, or apps= in a call), not as defaults")
         self.defaults = frozenset(names)
         self._default_bits = self._bits(names)
         self._choices_version += 1
@@ -567,35 +642,54 @@ class ControlPlane:
         # the rows follow from this (the same requests and choices, token counts and layout): in most
         # decode steps it is the step before's, whose rows `control` holds already
         key = (choices.serial, n_tokens, width, query_start.tobytes())
+        positions = prompt = None
+        if layout.store_apps:  # stores fold prompt tokens: which tokens are, and rows cleared at position 0
+            positions = _positions(first_positions, query_start, n, n_tokens)
+            lengths = np.fromiter((self._prompt_len.get(r, 0) for r in req_ids), dtype=np.int64, count=n)
+            prompt = positions < np.repeat(lengths, np.diff(query_start))
+            key += (prompt.tobytes(),)
+            self._clear_stores(layout, [r for r, first in zip(req_ids, first_positions[:n]) if first == 0])
         if self._in_control != key:
-            self._stage(layout, query_start, n_tokens, width, choices.bits, choices.numbers, req_ids)
+            self._stage(layout, query_start, n_tokens, width, choices.bits, choices.numbers, req_ids, prompt)
             self._in_control = key
         self._idle = not choices.any_on
         if not self._read_plan:
             return
-        if n_tokens == n:  # a decode step: each request's one token is at its first position (a copy:
-            positions = np.array(first_positions[:n], dtype=np.int64)  # vLLM reuses its buffer)
-        else:  # each token's position: its request's first, plus its index past the request's start
-            positions = np.repeat(np.asarray(first_positions[:n], dtype=np.int64) - query_start[:-1],
-                                  np.diff(query_start)) + np.arange(n_tokens, dtype=np.int64)
+        if positions is None:
+            positions = _positions(first_positions, query_start, n, n_tokens)
         self._unqueued = _Step(self._read_plan, positions)
 
-    def _stage(self, layout, query_start, n_tokens, width, request_bits, numbers, req_ids) -> None:
+    def _clear_stores(self, layout, starting: list[str]) -> None:
+        """The store rows of requests whose position 0 this step computes (new, or recomputed)."""
+        slots = {}
+        for r in starting:
+            slot, apps = self._slot.get(r, (0, ()))
+            for app in layout.store_apps:
+                if app.name in apps:
+                    slots.setdefault(app.name, []).append(slot)
+        for app in layout.store_apps:
+            if app.name in slots:
+                index = torch.tensor(slots[app.name], dtype=torch.int64, device=self.device)
+                for store in app.stores.values():
+                    store.clear(index)
+
+    def _stage(self, layout, query_start, n_tokens, width, request_bits, numbers, req_ids, prompt) -> None:
         """A step's rows into `control` (staged on the host, one copy to the device), and the read ops
-        it runs with each of their tokens' request numbers."""
+        it runs with each of their tokens' request numbers. `prompt`: which tokens are of their
+        request's prompt (where an app has stores)."""
         turn = self._staged_count % STAGING_BUFFERS
         self._staged_count += 1
         if self._pin:
             self._staged_events[turn].synchronize()  # its copy from two stagings ago is long done
         rows_used = len(self.rows)
-        size = rows_used * 2 * width
-        staging = self._staging_np[turn][:size].reshape(rows_used, 2, width)
+        size = rows_used * CONTROL_KINDS * width
+        staging = self._staging_np[turn][:size].reshape(rows_used, CONTROL_KINDS, width)
         shape = (rows_used, width, n_tokens)
         if self._staged_shape[turn] != shape or self._staged_layout[turn] is not layout:
             # what no step of this shape and layout writes below: -1 past the tokens and in rows of
             # no op, table rows 0 (kept between such steps: two fills less)
             staging[:, ROWS] = -1
-            staging[:, TABLE] = 0
+            staging[:, TABLE:] = 0
             self._staged_shape[turn], self._staged_layout[turn] = shape, layout
         per_request = np.diff(query_start)
         tokens = np.arange(n_tokens, dtype=np.int32)
@@ -607,12 +701,14 @@ class ControlPlane:
         staging[layout.rows, ROWS, :n_tokens] = np.where(on, tokens, -1)
         for app in layout.table_apps:  # each token's table row: its request's own, else 0 (the defaults)
             if not self._slot:
-                staging[app.row, TABLE, :n_tokens] = 0
+                staging[app.row, TABLE:, :n_tokens] = 0
                 continue
-            own = np.fromiter((slot if app.name in apps else 0
-                               for slot, apps in (self._slot.get(r, (0, ())) for r in req_ids)),
-                              dtype=np.int32, count=len(req_ids))
-            staging[app.row, TABLE, :n_tokens] = np.repeat(own, per_request)
+            own = np.repeat(np.fromiter((slot if app.name in apps else 0
+                                         for slot, apps in (self._slot.get(r, (0, ())) for r in req_ids)),
+                                        dtype=np.int32, count=len(req_ids)), per_request)
+            staging[app.row, TABLE, :n_tokens] = own
+            if app.stores:  # the prompt tokens of requests that run it fold into their rows
+                staging[app.row, PUT, :n_tokens] = np.where(on[layout.at[app.name]] & prompt, own, 0)
         # launches read rows [:T], T (x's tokens, padding included) <= width: the rest may be stale
         dims, copy = self._row_copies[turn]
         if dims != (rows_used, width):
@@ -633,17 +729,17 @@ class ControlPlane:
         self._read_plan = [(area, owner, owners_range(owner)) for area, owner in plan.items()]
 
     def _row_copier(self, turn: int, rows_used: int, width: int):
-        """The copy of staging buffer `turn`'s [apps, 2, width] block into `control[:apps, :, :width]`: on
+        """The copy of staging buffer `turn`'s [apps, kinds, width] block into `control[:apps, :, :width]`: on
         a GPU one runtime call, stream ordered and non-blocking (`cudart.copy_rows_to_device`; through
         torch it was two copies by way of a contiguous device buffer: 91-101 us of host time on the
         H200's host with cold caches, against 29-32 us, `bench/cuda_calls.py`); on the CPU numpy's
         (see ReadArea._copier)."""
-        size = rows_used * 2 * width
+        size = rows_used * CONTROL_KINDS * width
         target = self.control[:rows_used, :, :width]
         if not self._pin:
-            source, target_np = self._staging_np[turn][:size].reshape(rows_used, 2, width), target.numpy()
+            source, target_np = self._staging_np[turn][:size].reshape(rows_used, CONTROL_KINDS, width), target.numpy()
             return lambda: np.copyto(target_np, source)
-        return cudart.copy_rows_to_device(target, self._staging[turn][:size].view(rows_used, 2, width))
+        return cudart.copy_rows_to_device(target, self._staging[turn][:size].view(rows_used, CONTROL_KINDS, width))
 
     def _make_layout(self) -> _Layout:
         self._in_control = None  # rows made for other ops
@@ -656,7 +752,8 @@ class ControlPlane:
                                else np.array(indices, dtype=np.int64),
                                np.array(indices, dtype=np.uint64).reshape(-1, 1),
                                np.array([at[op.app] for op in read_ops], dtype=np.int64), read_ops,
-                               [app for app in apps if any(op.tables for op in app.ops)])
+                               [app for app in apps if app.stores or any(op.tables for op in app.ops)],
+                               [app for app in apps if app.stores], at)
         return self._layout
 
     def _choices(self, req_ids: list[str], need_numbers: bool) -> _Choices:
@@ -699,12 +796,14 @@ class ControlPlane:
         for entry in ops:
             entry.captured |= capturing
             rows = self.control[entry.index, ROWS, :T]
-            tables = self.control[entry.index, TABLE, :T] if entry.tables else None
+            tables = self.control[entry.index, TABLE, :T] if entry.tables or _store_tables(entry.op) else None
             with on_site(entry.placed, x, self.comm) as x_op:  # a gather plan: the whole row
                 if entry.step_values is None:
                     self.executor.run(entry.op, x_op, rows, tables, renorm=renorm)
                 else:
                     self.executor.run(entry.op, x_op, rows, tables, out=entry.step_values, dest=self._tokens[:T])
+            if entry.store is not None:
+                entry.store.fold(entry.step_values[:T], self.control[entry.index, PUT, :T])
 
     # --- the messenger ----------------------------------------------------------------------------
     def _queue_home(self) -> bool:
@@ -727,8 +826,28 @@ class ControlPlane:
             area.settle()
 
 
+def _positions(first_positions, query_start: np.ndarray, n: int, n_tokens: int) -> np.ndarray:
+    """Each token's position in its request: its request's first, plus its index past the request's start."""
+    if n_tokens == n:  # a decode step: each request's one token (a copy: vLLM reuses its buffer)
+        return np.array(first_positions[:n], dtype=np.int64)
+    return np.repeat(np.asarray(first_positions[:n], dtype=np.int64) - query_start[:-1],
+                     np.diff(query_start)) + np.arange(n_tokens, dtype=np.int64)
+
+
 def _read_width(op: LoweredOp) -> int:
     return int(np.prod(op.feature_shape, dtype=np.int64))
+
+
+def _store_tables(op: LoweredOp) -> dict:
+    return getattr(op, "store_tables", None) or {}
+
+
+def _bound_to(op: LoweredOp, stores: dict[str, ResidentStore]) -> LoweredOp:
+    """The op with each table of a store (`store_tables`) the store's per-request values."""
+    if not _store_tables(op):
+        return op
+    consts = [stores[op.store_tables[i]].values if i in op.store_tables else c for i, c in enumerate(op.program.consts)]
+    return replace(op, program=TokenProgram(op.program.ops, consts, op.program.output))
 
 
 def check_resident(app: str, ops_by_key: dict) -> None:
@@ -748,17 +867,24 @@ def _check_resident(app: str, op: LoweredOp) -> None:
     if op.positions is not None:
         raise ValueError(f"app {app!r}: a hook selects positions; an installed app's hooks run on every "
                          "token (write act + v, not act[:, -1] += v; read per token, reduce on the host)")
-    if getattr(op, "store", None) is not None:
-        raise ValueError(f"app {app!r}: installed apps do not use stores yet; run it with run_with_hooks")
+    store = getattr(op, "store", None)
+    if store is not None and store.reduce not in REDUCTIONS:
+        kind = ("a value per token (store.put without reduce, or a value of another hook point)"
+                if store.reduce is None else f"reduce={store.reduce!r}")
+        raise ValueError(f"app {app!r}: store {store.name!r} keeps {kind}; an installed app's stores fold "
+                         f"the prompt with reduce= one of {REDUCTIONS}. Run it with run_with_hooks")
+    tables = _store_tables(op)
     if isinstance(op, AffineWrite) and op.per_token_bias or isinstance(op, Read) and op.bias is not None \
             and op.bias.dim() > 1 or isinstance(op, (GeneratedWrite, GeneratedRead)) \
-            and any(o.op == "table" for o in op.program.ops):
+            and any(o.op == "table" and o.args[0] not in tables for o in op.program.ops):
         raise ValueError(f"app {app!r}: a hook uses per-token tables (patching from a cache); "
                          "run it with run_with_hooks")
 
 
 def _tensors(op: LoweredOp) -> list[torch.Tensor]:
-    return [t for _, t in named_tensors(op)]
+    """An op's parameter tensors (a store's tables are the engine's, not parameters)."""
+    tables = {f"consts[{i}]" for i in _store_tables(op)}
+    return [t for name, t in named_tensors(op) if name not in tables]
 
 
 def _structure(op: LoweredOp) -> tuple:

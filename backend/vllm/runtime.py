@@ -205,7 +205,7 @@ class SiteRuntime:
         for req_id, extra_args, prompt_len in new:
             names = chosen_apps(extra_args, declared)
             if names is not None:
-                self.control.select(req_id, names, chosen_values(extra_args))
+                self.control.select(req_id, names, chosen_values(extra_args), prompt_len)
                 self.served.add(req_id)
                 wanted = reads_wanted(extra_args)
                 if wanted != "none" and any(self.control.apps[name].info().reads for name in names):
@@ -269,7 +269,8 @@ class SiteRuntime:
             p.rows[req_id] = row
             self.routed[req_id] = (p.pass_id, row, p.prompt_lens[row], p.pad_offsets[row])
         for req_id, names in selections.items():
-            self.control.select(req_id, names)
+            routed = self.routed.get(req_id)
+            self.control.select(req_id, names, prompt_len=routed[2] if routed else None)
 
     def finish_passes(self, pass_ids: list[int], req_ids: list[str]) -> list[PassResults]:
         """Close the passes once their requests are done (or aborted): what each read."""
@@ -554,7 +555,7 @@ def _stores_to(device, ops: list[LoweredOp]) -> dict:
     moved = {}
     for op in ops:
         spec = getattr(op, "store", None)
-        if spec is None or spec.buffer.device.type == torch.device(device).type:
+        if spec is None or spec.buffer is None or spec.buffer.device.type == torch.device(device).type:
             continue
         for name in ("buffer", "row_buffer", "per_token", "written"):
             t = getattr(spec, name)

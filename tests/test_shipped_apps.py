@@ -1,6 +1,7 @@
 """Every shipped app (xmix_lens.apps) resident in the engine at once, exported in one config, and
 served by `xmix-lens serve` as the README writes it: on deep models (30 and 80 layers: directional
-ablation has 61 and 161 ops, one control row), on the tiny Llama and GPT-2, and on SmolLM2.
+ablation has 61 and 161 ops, one control row), and exported, installed and served on the tiny Llama
+and GPT-2 and on SmolLM2.
 
 The oracle of a resident app is the same app's hook functions run per call (run_with_hooks with
 them as fwd_hooks: traced for the call's own shape, a path tests/test_apps.py checks against
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from tests.test_serving_config import Server, free_port
-from tests.tiny_models import tiny_llama
+from tests.tiny_models import tiny_gpt2, tiny_llama
 from xmix_lens import HookedServedModel, apps
 from xmix_lens.request_choice import APPS_KEY, READS_KEY
 
@@ -119,41 +120,45 @@ def test_shipped_apps_export_and_install_from_their_config(served, tmp_path, nam
             model.uninstall(app)
 
 
-@pytest.fixture(scope="module")
-def smollm2_server(served, tmp_path_factory):
-    """`xmix-lens serve CONFIG -- smollm2-135m`: the embedded name, no memory or dtype flag; and the
-    in-process SmolLM2 with the same config installed."""
-    model = served["smollm2"]
-    built = shipped_apps(model.cfg)
-    config = model.export(built, tmp_path_factory.mktemp("shipped") / "apps")
+SERVED_MODELS = {"tiny-llama": lambda: str(tiny_llama()), "tiny-gpt2": lambda: str(tiny_gpt2()),
+                 "smollm2": lambda: "smollm2-135m"}  # SmolLM2 by its embedded name, as the README serves it
+
+
+@pytest.fixture(scope="module", params=list(SERVED_MODELS))
+def app_server(request, served, tmp_path_factory):
+    """`xmix-lens serve CONFIG -- MODEL` with the seven apps exported, no memory or dtype flag; and the
+    in-process model with the same config installed; the name clients send."""
+    model, name = served[request.param], SERVED_MODELS[request.param]()
+    config = model.export(shipped_apps(model.cfg), tmp_path_factory.mktemp("shipped") / "apps")
     port = free_port()
-    command = [sys.executable, "-m", "xmix_lens.cli", "serve", str(config), "--", "smollm2-135m", "--enforce-eager",
+    command = [sys.executable, "-m", "xmix_lens.cli", "serve", str(config), "--", name, "--enforce-eager",
                "--max-model-len", "256", "--port", str(port)]
-    server = Server(command, tmp_path_factory.mktemp("server") / "smollm2.log", port)
+    server = Server(command, tmp_path_factory.mktemp("server") / "server.log", port)
     names = model.install_config(config)
     try:
         assert server.wait_ready(), server.output()[-3000:]
-        yield server, model, names
+        yield server, model, names, name
     finally:
         server.stop()
         for app in names:
             model.uninstall(app)
 
 
-def test_serve_takes_the_embedded_name_and_says_its_dtype_and_memory(smollm2_server):
-    server, _, names = smollm2_server
+def test_serve_says_its_model_dtype_and_memory(app_server):
+    server, _, names, name = app_server
     said = server.output().splitlines()[0]
-    assert said.startswith("xmix-lens serve: model smollm2-135m (folder ")
+    assert said.startswith(f"xmix-lens serve: model {name}")
+    assert ("(folder " in said) == (name == "smollm2-135m")  # an embedded name's folder is said
     assert "dtype float32 (the apps were exported at it" in said and "KV cache 0." in said, said
-    assert [m.id for m in server.client().models.list().data] == ["smollm2-135m"]
-    assert f"xmix-lens: installing apps {names}" in server.output()
+    assert [m.id for m in server.client().models.list().data] == [name]
+    assert f"xmix-lens: installing apps {names}" in server.output() and sorted(names) == sorted(SHIPPED)
 
 
 @pytest.mark.parametrize("choice", [["actadd"], ["ablate"], ["iti"], ["sae"], list(SHIPPED)])
-def test_served_shipped_apps_run_as_in_process(smollm2_server, choice):
-    server, model, _ = smollm2_server
+def test_served_shipped_apps_run_as_in_process(app_server, choice):
+    server, model, _, name = app_server
     ids = model.to_tokens(PROMPTS[0], prepend_bos=False)[0].tolist()
-    served = server.complete("smollm2-135m", ids, {APPS_KEY: ",".join(choice)})
+    served = server.complete(name, ids, {APPS_KEY: ",".join(choice)})
     ours = model.generate(torch.tensor([ids]), max_new_tokens=len(served), do_sample=False, stop_at_eos=False,
                           apps=choice).result[0, len(ids):].tolist()
     assert served == ours
@@ -162,11 +167,11 @@ def test_served_shipped_apps_run_as_in_process(smollm2_server, choice):
     assert float(moved.abs().max()) > 0.05
 
 
-def test_served_and_in_process_reads_agree_to_the_dtypes_precision(smollm2_server):
-    server, model, _ = smollm2_server
+def test_served_and_in_process_reads_agree_to_the_dtypes_precision(app_server):
+    server, model, _, name = app_server
     ids = model.to_tokens(PROMPTS[1], prepend_bos=False)[0].tolist()
     out = server.client().completions.create(
-        model="smollm2-135m", prompt=ids, max_tokens=4, temperature=0,
+        model=name, prompt=ids, max_tokens=4, temperature=0,
         extra_body={"return_token_ids": True, "ignore_eos": True, "vllm_xargs": {APPS_KEY: "sae", READS_KEY: "all"}})
     read = out.model_extra["xmix_reads"][0]["apps"]["sae"]["features"]
     sequence = ids + out.choices[0].token_ids
@@ -179,12 +184,12 @@ def test_served_and_in_process_reads_agree_to_the_dtypes_precision(smollm2_serve
 
 @pytest.mark.parametrize("app,outputs", [("truth", ["last"]), ("cast", ["similarity", "gate"]),
                                          ("harm", ["score", "flag"])])
-def test_a_served_read_of_the_last_position_is_the_prompts_end(smollm2_server, app, outputs):
+def test_a_served_read_of_the_last_position_is_the_prompts_end(app_server, app, outputs):
     """Reads of act[:, -1] (truth's `last`; cast's and harm's reads of their prompt-level stores) come
     back by default at the prompt's last position, equal to the in-process call's."""
-    server, model, _ = smollm2_server
+    server, model, _, name = app_server
     ids = model.to_tokens(PROMPTS[2], prepend_bos=False)[0].tolist()
-    out = server.client().completions.create(model="smollm2-135m", prompt=ids, max_tokens=2, temperature=0,
+    out = server.client().completions.create(model=name, prompt=ids, max_tokens=2, temperature=0,
                                              extra_body={"vllm_xargs": {APPS_KEY: app}})
     ours = model.run_with_hooks(torch.tensor([ids]), apps=[app]).outputs[app]
     for output in outputs:

@@ -43,7 +43,7 @@ tokens, which it keeps there too). One buffer is enough: that copy is queued on 
 the next step's forward, which overwrites it. A request's values are gathered from the log once,
 when they are taken (`take_results`). A position computed twice (preemption recomputes a
 request; chunked prefill never does) keeps its latest value: nothing is lost or duplicated.
-Device memory, per engine: control MAX_RESIDENT_APPS x 2 x max_tokens int32, and per read op
+Device memory, per engine: control MAX_RESIDENT_APPS x CONTROL_KINDS x max_tokens int32, and per read op
 max_tokens x width in the model's dtype (its step values).
 
 Most decode steps have the rows of the step before (the same requests, choices and token counts):
@@ -96,6 +96,7 @@ class ResidentOp:
     placed: Placed | None = None  # at a sharded site of a TP engine: how this rank runs it
     tables: dict = field(default_factory=dict)  # field ("bias", "consts[i]") -> [slots, ...]: row 0 the default
     store: "ResidentStore | None" = None  # a put: the store its values fold into (step_values: its scratch)
+    indexed: bool = False  # whether it reads its app's per-request table rows (request values, or a store's)
 
     @property
     def reads_home(self) -> bool:
@@ -259,6 +260,7 @@ class _Layout:
     read_ops: list  # those ops
     table_apps: list  # apps with per-request table rows: an op's request-value tables, or stores
     store_apps: list  # apps with prompt-level stores
+    store_bits: int  # their bits
     at: dict  # app name -> its position in `rows`
 
 
@@ -363,7 +365,8 @@ class ControlPlane:
                 if isinstance(op, Read) and op.W is not None and op.bias is None:
                     op = replace(op, bias=torch.zeros(op.W.shape[1]))  # allocated once, not per launch
                 op, tables = self._with_tables(name, _bound_to(to_device(op, self.device), stores), placed)
-                entry = ResidentOp(name, site, row, op, placed=placed, tables=tables)
+                entry = ResidentOp(name, site, row, op, placed=placed, tables=tables,
+                                   indexed=bool(tables or _store_tables(op)))
                 if getattr(op, "store", None) is not None:  # a put: its values fold into the store
                     entry.store = stores[op.store.name]
                     entry.step_values = torch.zeros(self.max_tokens, _read_width(op), dtype=torch.float32,
@@ -643,7 +646,8 @@ class ControlPlane:
         # decode steps it is the step before's, whose rows `control` holds already
         key = (choices.serial, n_tokens, width, query_start.tobytes())
         positions = prompt = None
-        if layout.store_apps:  # stores fold prompt tokens: which tokens are, and rows cleared at position 0
+        if layout.store_bits and np.any(choices.bits & np.uint64(layout.store_bits)):
+            # a store folds its prompt tokens: which tokens are, and its rows cleared at position 0
             positions = _positions(first_positions, query_start, n, n_tokens)
             lengths = np.fromiter((self._prompt_len.get(r, 0) for r in req_ids), dtype=np.int64, count=n)
             prompt = positions < np.repeat(lengths, np.diff(query_start))
@@ -676,7 +680,7 @@ class ControlPlane:
     def _stage(self, layout, query_start, n_tokens, width, request_bits, numbers, req_ids, prompt) -> None:
         """A step's rows into `control` (staged on the host, one copy to the device), and the read ops
         it runs with each of their tokens' request numbers. `prompt`: which tokens are of their
-        request's prompt (where an app has stores)."""
+        request's prompt (None where no app with stores runs in the step)."""
         turn = self._staged_count % STAGING_BUFFERS
         self._staged_count += 1
         if self._pin:
@@ -708,7 +712,8 @@ class ControlPlane:
                                         dtype=np.int32, count=len(req_ids)), per_request)
             staging[app.row, TABLE, :n_tokens] = own
             if app.stores:  # the prompt tokens of requests that run it fold into their rows
-                staging[app.row, PUT, :n_tokens] = np.where(on[layout.at[app.name]] & prompt, own, 0)
+                staging[app.row, PUT, :n_tokens] = 0 if prompt is None else np.where(on[layout.at[app.name]] & prompt,
+                                                                                     own, 0)
         # launches read rows [:T], T (x's tokens, padding included) <= width: the rest may be stale
         dims, copy = self._row_copies[turn]
         if dims != (rows_used, width):
@@ -753,7 +758,8 @@ class ControlPlane:
                                np.array(indices, dtype=np.uint64).reshape(-1, 1),
                                np.array([at[op.app] for op in read_ops], dtype=np.int64), read_ops,
                                [app for app in apps if app.stores or any(op.tables for op in app.ops)],
-                               [app for app in apps if app.stores], at)
+                               [app for app in apps if app.stores], sum(1 << app.row for app in apps if app.stores),
+                               at)
         return self._layout
 
     def _choices(self, req_ids: list[str], need_numbers: bool) -> _Choices:
@@ -796,7 +802,7 @@ class ControlPlane:
         for entry in ops:
             entry.captured |= capturing
             rows = self.control[entry.index, ROWS, :T]
-            tables = self.control[entry.index, TABLE, :T] if entry.tables or _store_tables(entry.op) else None
+            tables = self.control[entry.index, TABLE, :T] if entry.indexed else None
             with on_site(entry.placed, x, self.comm) as x_op:  # a gather plan: the whole row
                 if entry.step_values is None:
                     self.executor.run(entry.op, x_op, rows, tables, renorm=renorm)

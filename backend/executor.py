@@ -1,8 +1,8 @@
 """The executor: one launch path per lowered op kind, its kernels chosen once.
 
 Everything that runs lowered ops calls `Executor.run`: a host-planned pass on its tokens
-(vllm/runtime.py), installed apps' resident ops over every token of a step (vllm/control.py), and
-the tensor-parallel plans simulated on the CPU (vllm/sharding.py). A write changes x's selected
+(vllm/runtime.py), installed apps' resident ops over every token of a step (control.py), and
+the tensor-parallel plans simulated on the CPU (sharding.py). A write changes x's selected
 rows in place; a read fills `out[dest]`. The kernels are chosen when the executor is made: the
 Triton templates and generated kernels on a CUDA device, their torch twins elsewhere (Triton
 compiles no CPU code; tests run the Triton kernels in its interpreter against the twins).

@@ -24,7 +24,7 @@ import torch
 
 from bench import write_result
 from bench.serving import p99
-from xmix_lens.backend.vllm.messenger import CHUNK_BYTES
+from xmix_lens.backend.messenger import CHUNK_BYTES
 
 
 def make_step(device: torch.device, tokens: int, width: int, layers: int):

@@ -1,5 +1,5 @@
 """What a step's CUDA calls cost the host, through torch and straight to the runtime
-(backend/vllm/cudart.py), with the host's caches warm and cold. GPU only.
+(backend/cudart.py), with the host's caches warm and cold. GPU only.
 
     python -m bench.cuda_calls --out results.json
 
@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from bench import write_result
-from xmix_lens.backend.vllm import cudart
+from xmix_lens.backend import cudart
 
 WIDTH = 66  # the seven bench apps' read area: a probe (2) and SAE features (64)
 SLOTS = 8

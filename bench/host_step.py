@@ -37,7 +37,7 @@ import torch
 from bench import write_result
 from bench.serving import HOST_FIELDS, seven_apps
 from xmix_lens import HookedServedModel
-from xmix_lens.backend.vllm.control import ControlPlane, HostTime
+from xmix_lens.backend.control import ControlPlane, HostTime
 
 FIELDS = HOST_FIELDS + ("take_ms_per_request",)
 BUSY_THREAD = "host-step-busy"

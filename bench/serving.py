@@ -57,7 +57,7 @@ import torch
 from bench import write_result
 from bench.kernels import renormalized_sites, resident_kernel_times
 from xmix_lens import App
-from xmix_lens.backend.vllm.control import HostTime
+from xmix_lens.backend.control import HostTime
 from xmix_lens.model import IN_PROCESS_ENVIRONMENT
 
 # every engine here in-process, the native baseline too, as from_pretrained sets it for its own

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from tests.tiny_models import tiny_gpt2, tiny_llama
 from xmix_lens import App, HookedServedModel, app_config
-from xmix_lens.backend.vllm.engine import ServedRequest
+from xmix_lens.backend.engine import ServedRequest
 
 PROMPTS = ["Hello World! How are you", "Hi"]
 

@@ -1,4 +1,4 @@
-"""The graph-safe control plane (backend/vllm/control.py): installed apps as resident ops.
+"""The graph-safe control plane (backend/control.py): installed apps as resident ops.
 
 References: the same hooks run per call (run_with_hooks, the host-planned path, itself checked
 against TransformerLens in compat_tests). Graph safety is checked as what CUDA-graph replay
@@ -338,7 +338,7 @@ def test_read_log_returns_each_requests_latest_values_across_chunks_and_recycles
     and chunks reused once nothing alive is left in them."""
     import numpy as np
 
-    from xmix_lens.backend.vllm.messenger import ReadLog, _as_numpy
+    from xmix_lens.backend.messenger import ReadLog, _as_numpy
 
     alive = {0, 1, 2, 3}
     log = ReadLog(3, 1, torch.float32, alive=lambda: np.array(sorted(alive), dtype=np.int64),
@@ -378,7 +378,7 @@ def test_a_read_log_recycles_a_chunk_once_no_request_alive_is_in_its_range_of_re
     split over two chunks, also where the caller gives a wider range) and is recycled once no
     request alive falls in that range: one comparison over the requests alive, not a pass over its
     tags (milliseconds for a 4 MiB chunk). A request alive inside the range keeps it, rows or not."""
-    from xmix_lens.backend.vllm.messenger import NOBODY, ReadLog, _as_numpy
+    from xmix_lens.backend.messenger import NOBODY, ReadLog, _as_numpy
 
     alive = np.arange(40)
     log = ReadLog(1, 2, torch.float32, alive=lambda: alive, chunk_rows=4)
@@ -559,7 +559,7 @@ def test_uninstalling_a_reading_app_before_its_last_step_goes_home_is_safe(serve
     that copy nor put its values in another op's log."""
     import numpy as np
 
-    from xmix_lens.backend.vllm.control import ControlPlane
+    from xmix_lens.backend.control import ControlPlane
 
     model = served[MODEL]
     runtime = model.engine.runtime
@@ -591,7 +591,7 @@ def test_a_decode_steps_launch_is_checked_against_its_mark_only_when_the_host_ti
     reached it, and the step counted busy if not; prefill steps and steps with nothing marked are
     not asked, and nothing is asked unless the host time checks launches (a serving engine's does
     not: an event query a step). The device's answers are scripted: the CPU has no events."""
-    from xmix_lens.backend.vllm.control import ControlPlane, HostTime
+    from xmix_lens.backend.control import ControlPlane, HostTime
 
     model = served[MODEL]
     runtime = model.engine.runtime
@@ -624,7 +624,7 @@ def test_read_apps_installed_before_a_capture_share_one_area(served):
     again, wider, at each install: the reads of the step already run go home first); an app
     installed after a capture gets an area of its own, and the captured op keeps its step values'
     address. Every read reaches its own request's results."""
-    from xmix_lens.backend.vllm.control import ControlPlane
+    from xmix_lens.backend.control import ControlPlane
 
     model = served[MODEL]
     runtime = model.engine.runtime
@@ -663,7 +663,7 @@ def test_a_control_plane_made_under_a_default_device_keeps_its_staging_on_the_ho
     staging rows from it would copy device to host every step, waiting for the step in flight.
     Made here under the meta device (where any such buffer fails loudly), the plane prepares steps
     and its control rows say what the step runs."""
-    from xmix_lens.backend.vllm.control import ROWS, ControlPlane
+    from xmix_lens.backend.control import ROWS, ControlPlane
 
     model = served[MODEL]
     runtime = model.engine.runtime
@@ -684,7 +684,7 @@ def test_steps_with_the_rows_of_the_step_before_copy_nothing_and_lose_no_read(se
     """Most decode steps have the requests and choices of the step before: such a step stages and
     copies no rows (the plane's `_staged_count` stays), yet after any sequence of steps the control
     rows equal those a fresh plane makes for the same step, and every step's reads reach the log."""
-    from xmix_lens.backend.vllm.control import ControlPlane
+    from xmix_lens.backend.control import ControlPlane
 
     model = served[MODEL]
     runtime = model.engine.runtime
@@ -787,7 +787,7 @@ def test_speculative_decoding_is_refused_as_the_engine_is_built():
 def test_reads_are_kept_in_the_model_dtype(served):
     """A bf16 engine's reads: step values and read log in bf16 (a float32 log made the GPU convert
     every step's values before copying them home), the taken values those the launch wrote."""
-    from xmix_lens.backend.vllm.control import ControlPlane
+    from xmix_lens.backend.control import ControlPlane
 
     model = served[MODEL]
     w, kept = vector(model.cfg.d_model, 8), {}

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from xmix_lens import App
-from xmix_lens.backend.vllm.control import MAX_RESIDENT_APPS, ResidentCapacityError
+from xmix_lens.backend.control import MAX_RESIDENT_APPS, ResidentCapacityError
 
 MODEL = "tiny-llama"
 PROMPTS = ["The cat sat on the mat and looked", "One two three", "A quick brown fox jumps"]

@@ -6,6 +6,7 @@ import re
 
 import pytest
 
+from xmix_lens.backend.engine import reads_json
 from xmix_lens.backend.vllm import serving
 from xmix_lens.lowered import ResidentRead
 from xmix_lens.request_choice import APPS_KEY, READS_KEY, chosen_apps, chosen_values, salt
@@ -106,7 +107,7 @@ def test_reads_go_out_as_json_per_prompt_within_a_bound():
     per_prompt = [(1, [("probe", ["prefill", "blocks.1.hook_resid_post", 0], [0, 1, 2], [[0.5], [1.5], [2.5]])]),
                   (0, [("sae", ["prefill", "blocks.0.hook_resid_post", 1], [0, 1], [[1, 2], [3, 4]])])]
     # 5 numbers: prompt 0's two positions of width 2, then the latest position of prompt 1 that fits
-    assert serving.reads_json(per_prompt, outputs, max_values=5) == [
+    assert reads_json(per_prompt, outputs, max_values=5) == [
         {"index": 0, "apps": {"sae": {"features": {"positions": [0, 1], "values": [[1, 2], [3, 4]], "left_out": 0}}}},
         {"index": 1, "apps": {"probe": {"score": {"positions": [2], "values": [2.5], "left_out": 2}}}}]
 

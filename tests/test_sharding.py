@@ -1,4 +1,4 @@
-"""Lowered ops under simulated tensor parallelism (backend/vllm/sharding.py): a site's features split
+"""Lowered ops under simulated tensor parallelism (backend/sharding.py): a site's features split
 over ranks as vLLM shards heads and MLP features; each plan, run on the shards with its collectives
 done in torch, must equal the op on the whole site. Plans are checked too: shard-local where the op
 maps each shard to itself, a collective only where it needs one."""
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from xmix_lens import kernels
-from xmix_lens.backend.vllm import sharding
+from xmix_lens.backend import sharding
 from xmix_lens.lower import lower
 from xmix_lens.lowered import AffineWrite, Read
 from xmix_lens.trace import Tracer

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from xmix_lens import App, HookedServedModel
-from xmix_lens.backend.vllm import sharding
+from xmix_lens.backend import sharding
 from tests.tiny_models import tiny_llama
 
 MODEL = "tiny-llama"

@@ -134,7 +134,7 @@ class AppRegistry:
         self.apps: dict[str, App] = {}  # install order
         self.active_all: set[str] = set()  # active for every row of a call without apps=
         self.active_rows: dict[int, set[str]] = {}  # active for these rows of such calls
-        # apps whose ops are resident in the engine (graph-safe; backend/vllm/control.py):
+        # apps whose ops are resident in the engine (graph-safe; backend/control.py):
         # name -> {read key: (output name, per-token feature shape)}
         self.resident: dict[str, dict] = {}
         # name -> the app's param_versions() when its resident ops were last lowered: a write into
@@ -143,7 +143,7 @@ class AppRegistry:
         # name -> a resident app's graphs, its parameters as named inputs: set_params lowers them again
         self.graphs: dict[str, list] = {}
         # name -> {param: (lowest, highest)}: what a request may set for itself (apps from an app config,
-        # whose request params the engine holds per-request tables for: backend/vllm/control.py)
+        # whose request params the engine holds per-request tables for: backend/control.py)
         self.request_params: dict[str, dict[str, tuple[float, float]]] = {}
 
     def check_names(self, names: Iterable[str], where: str) -> list[str]:

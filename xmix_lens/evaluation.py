@@ -137,8 +137,8 @@ class Evaluation:
     # --- rows -> requests -------------------------------------------------------------------------
     def jobs(self, row, line: int, point: dict) -> tuple[_Job, list]:
         """A row under one sweep point: its record (without results) and its requests
-        (backend/vllm/engine.py's ServedRequest), by role."""
-        from .backend.vllm.engine import ServedRequest
+        (backend/engine.py's ServedRequest), by role."""
+        from .backend.engine import ServedRequest
 
         if not isinstance(row, dict):
             raise RowError(f"a row is a JSON object with an id and a prompt, got {type(row).__name__}")
@@ -260,7 +260,7 @@ class Evaluation:
 
     # --- results -> records -----------------------------------------------------------------------
     def finish(self, job: _Job) -> dict:
-        from .backend.vllm.serving import reads_json
+        from .backend.engine import reads_json
 
         record = job.record
         served = job.results["apps"]

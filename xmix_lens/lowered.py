@@ -94,7 +94,7 @@ class GeneratedWrite:
     # per-request parameters (app configs): {param: {"consts[i]": slope}}, as AffineWrite's
     slopes: dict = field(default_factory=dict)
     # resident ops: {const index: store name}, tables of a per-request store (store.put(..., reduce=)),
-    # which the engine binds to the store's per-request values (backend/vllm/control.py)
+    # which the engine binds to the store's per-request values (backend/control.py)
     store_tables: dict = field(default_factory=dict)
 
 

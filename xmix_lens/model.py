@@ -101,7 +101,7 @@ class HookedServedModel:
         run_with_cache) need other sites runs vLLM's model uncompiled, with the sites of its ops;
         `generate` with no hooks, or with the built-in apps only, runs compiled, with CUDA graphs. `apps` (xmix_lens.App, or objects with `name` and `fwd_hooks`)
         are installed as the engine is built, so that its CUDA graphs contain them (see
-        backend/vllm/control.py); so are the apps of `config`, an app config folder (`export`),
+        backend/control.py); so are the apps of `config`, an app config folder (`export`),
         checked against this model before the engine starts.
         """
         from transformers import AutoConfig
@@ -1078,7 +1078,7 @@ class HookedServedModel:
     def _make_resident(self, app: App) -> None:
         """Install the app's ops in the engine itself when its hooks are per token and keep their
         reads in app.outputs; otherwise it stays traced per call. An engine out of room for them
-        is an error (backend/vllm/control.py), never a silent fall-back to per-call hooks."""
+        is an error (backend/control.py), never a silent fall-back to per-call hooks."""
         try:
             traced, reads = self._resident_form(app)
         except ValueError:

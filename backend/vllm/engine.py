@@ -12,7 +12,6 @@ import os
 import tempfile
 import uuid
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 
 import torch
 
@@ -20,41 +19,15 @@ from xmix_lens import app_config, request_choice
 from xmix_lens.lowered import AffineWrite, GeneratedWrite, op_digest
 from xmix_lens.passes import PassPlan
 
-from . import adapter, control, remote
+from . import adapter, remote
+from .. import control
+from ..engine import PassOutcome, ServedRequest, ServedResult
 from .sites import unembedding
 
 
-@dataclass
-class PassOutcome:
-    """One finished pass: what it read (runtime.PassResults) and each row's new tokens."""
-
-    results: object
-    tokens: list[list[int]]
-
-
-@dataclass
-class ServedRequest:
-    """A request as a server takes it: its prompt's token ids, vLLM's SamplingParams fields, and its
-    `vllm_xargs`, which choose its apps and their param values (xmix_lens/request_choice.py)."""
-
-    key: str  # unique among the requests in flight, without "-" (vLLM appends "-" and a suffix)
-    prompt: list[int]
-    sampling: dict
-    xargs: dict | None = None
-    reads: bool = False  # whether its chosen apps read (their reads are fetched when it finishes)
-
-
-@dataclass
-class ServedResult:
-    key: str
-    prompt_tokens: int
-    tokens: list[int]
-    finish_reason: str | None
-    prompt_logprobs: list[float] | None  # of each prompt token after the first, if asked for
-    reads: list  # runtime.take_served_reads's answer: [(prompt index, [(app, read key, positions, values)])]
-
-
 class VllmEngine:
+    """vLLM's engine behind the contract of backend/engine.py (`Engine`)."""
+
     def __init__(self, llm, runtime, unembed: tuple[torch.Tensor, torch.Tensor]):
         self.llm, self.runtime = llm, runtime
         # unembed.hook_in (the final norm's output) -> logits: vLLM's lm_head in fp32, on the device

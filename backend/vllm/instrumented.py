@@ -23,7 +23,7 @@ from xmix_lens.hook_points import feature_shape, hook_names
 
 from . import adapter
 from .runtime import SiteRuntime
-from .sharding import is_sharded
+from ..sharding import is_sharded
 from .sites import ActiveSites, install_sites
 
 logger = init_logger("vllm.xmix_lens")  # under "vllm": vLLM's log handler prints it with its own lines

@@ -26,8 +26,10 @@ from xmix_lens.lowered import AffineWrite, GeneratedRead, GeneratedWrite, Lowere
 from xmix_lens.request_choice import chosen_apps, chosen_values, reads_wanted
 
 from ..executor import Executor
-from . import adapter, sharding
-from .control import AppInfo, ControlPlane
+from . import adapter
+from .. import sharding
+from ..control import AppInfo, ControlPlane
+from ..engine import PassResults
 from .sites import ActiveSites
 
 
@@ -65,20 +67,6 @@ class Pass:
         """A read's value in its traced shape: [B, P, ...], [B, L, ...] for a position slice, or [B, ...]."""
         op, value = self.read_ops[key], self.reads[key]
         return value[:, op.positions] if op.keeps_pos and op.positions is not None else value
-
-
-@dataclass
-class PassResults:
-    """What a finished pass read, on the host: each read key's value in its traced shape, and per
-    row (by `row` order) what the row's installed apps read: (app, read key) -> (positions, values)."""
-
-    values: dict[object, torch.Tensor]
-    app_results: list[dict]
-    nonfinite: dict[str, list[int]] = field(default_factory=dict)  # hook point -> rows whose writes there
-    #                                                                  left NaN or infinite values
-
-    def result(self, key) -> torch.Tensor:
-        return self.values[key]
 
 
 @dataclass
@@ -141,7 +129,7 @@ class SiteRuntime:
         # a site vLLM does not split in blocks, e.g. KV heads replicated over more ranks than heads)
         self.tp_rank, self.tp_world = tp_rank, tp_world
         self.shard_widths = {self.site_id[n]: F for n, F in (shard_widths or {}).items()} if tp_world > 1 else {}
-        self.comm = sharding.TPCollectives() if tp_world > 1 else None
+        self.comm = TPCollectives() if tp_world > 1 else None
         self.executor = Executor(device, max_tokens)  # Triton kernels on a GPU, their torch twins on the CPU
         # installed apps: resident ops, graph-safe (control.py); rank 0 alone delivers reads
         self.control = ControlPlane(device, max_tokens, comm=self.comm, delivers=tp_rank == 0,
@@ -570,3 +558,16 @@ def _numel(shape) -> int:
         n *= s
     return n
 
+
+class TPCollectives:
+    """The engine's tensor-parallel group (vLLM's: NCCL or custom all-reduce on GPUs, gloo/shm on CPUs)."""
+
+    def __init__(self):
+        from vllm.distributed.parallel_state import get_tp_group
+        self.group = get_tp_group()
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.all_gather(x.contiguous(), -1)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.all_reduce(x)

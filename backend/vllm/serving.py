@@ -21,15 +21,15 @@ one as an entry point makes vLLM 0.26 give up its V2 model runner for every engi
 """
 import hashlib
 import json
-import math
 from pathlib import Path
 from typing import NamedTuple
 
-import torch
 from vllm.logger import init_logger
 
 from xmix_lens import app_config
 from xmix_lens.request_choice import asks_for_apps, chosen_apps, reads_wanted, salt
+
+from ..engine import reads_json
 
 logger = init_logger("vllm.xmix_lens")
 SALTED_PATHS = ("/v1/completions", "/v1/chat/completions")  # the requests whose cache_salt vLLM honours
@@ -196,26 +196,6 @@ async def fetch_reads(request_id: str) -> list[dict]:
     docs/serving.md: per prompt, per app and output, the positions read and their values."""
     answers = await _engine.collective_rpc("xmix_take_reads", args=(request_id,))
     return reads_json(answers[0], _served.outputs, MAX_READ_VALUES)
-
-
-def reads_json(per_prompt: list, outputs: dict, max_values: int) -> list[dict]:
-    """[(prompt index, [(app, read key, positions, values)])] as JSON: per prompt, app and output,
-    {"positions": [...], "values": [...] (each of the output's feature shape), "left_out": n}, the
-    latest positions that fit in `max_values` numbers over the whole response."""
-    out, budget = [], max_values
-    for index, reads in sorted(per_prompt, key=lambda item: item[0]):
-        apps = {}
-        for app, key, positions, values in reads:
-            output, shape, _ = outputs[(app, tuple(key))]  # a ResidentRead
-            width = math.prod(shape)
-            kept = min(len(positions), budget // max(width, 1))
-            budget -= kept * width
-            values = torch.tensor(values[len(values) - kept:] if kept else [], dtype=torch.float32)
-            apps.setdefault(app, {})[output] = {
-                "positions": positions[len(positions) - kept:] if kept else [],
-                "values": values.reshape(kept, *shape).tolist(), "left_out": len(positions) - kept}
-        out.append({"index": index, "apps": apps})
-    return out
 
 
 def _multipart(scope) -> bool:

@@ -1,5 +1,5 @@
 """GPU only: the CUDA runtime calls a step's control rows and reads make through ctypes
-(backend/vllm/cudart.py) against torch's own: the rows' copy to the device and the copy home land
+(backend/cudart.py) against torch's own: the rows' copy to the device and the copy home land
 the same bytes, on the current stream, after the work queued before it, and nothing else; an event
 recorded and queried through them answers as torch's would.
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gpu_results import Results
-from xmix_lens.backend.vllm import cudart
+from xmix_lens.backend import cudart
 
 pytestmark = pytest.mark.gpu
 RESULTS = Results("cudart_gpu.json")

@@ -22,7 +22,7 @@ import torch
 import xmix_lens  # noqa: F401  (its from_pretrained sets vLLM's environment for the in-process engine)
 from gpu_results import Results
 from xmix_lens import HookedServedModel
-from xmix_lens.backend.vllm.control import HostTime
+from xmix_lens.backend.control import HostTime
 from xmix_lens.passes import PassPlan
 
 pytestmark = pytest.mark.gpu

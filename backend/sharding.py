@@ -17,7 +17,7 @@ only rank 0 delivers reads. At a sharded site an op is split by `plan`:
               the op, and each keeps its block
 
 `place` turns an op into what one rank of an engine runs (`Placed`); the site runtime and the
-control plane run it with `on_site` and the engine's collectives (`TPCollectives`). `run_sharded`
+control plane run it with `on_site` and the engine's collectives (vllm/runtime.py: `TPCollectives`). `run_sharded`
 runs a plan over a list of shards, the collectives done in torch: the CPU simulation of the same
 plans, against the op on the whole site.
 """
@@ -30,7 +30,7 @@ import torch
 from xmix_lens.lowered import AffineWrite, GeneratedWrite, LoweredOp, Read, TokenProgram
 from xmix_lens.ops import OPS
 
-from ..executor import Executor
+from .executor import Executor
 
 SHARDED_SITES = ("attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.hook_rot_q", "attn.hook_rot_k", "attn.hook_z",
                  "mlp.hook_pre", "mlp.hook_pre_linear", "mlp.hook_post")
@@ -113,20 +113,6 @@ def place(op: LoweredOp, F: int, rank: int, world: int, resident: bool = False) 
     if resident and p.kind == "reduce":
         p = replace(p, kind="gather")
     return Placed(p.kind, for_rank(p, F, rank), p.block(rank, F))
-
-
-class TPCollectives:
-    """The engine's tensor-parallel group (vLLM's: NCCL or custom all-reduce on GPUs, gloo/shm on CPUs)."""
-
-    def __init__(self):
-        from vllm.distributed.parallel_state import get_tp_group
-        self.group = get_tp_group()
-
-    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
-        return self.group.all_gather(x.contiguous(), -1)
-
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        return self.group.all_reduce(x)
 
 
 @contextlib.contextmanager

@@ -65,7 +65,7 @@ from xmix_lens.kernels import Renorm
 from xmix_lens.lowered import (AffineWrite, GeneratedRead, GeneratedWrite, LoweredOp, Read, TokenOp, TokenProgram,
                                named_tensors, op_digest, to_device)
 
-from ..executor import Executor
+from .executor import Executor
 from . import cudart
 from .messenger import HomeCopies, ReadArea, owners_range
 from .sharding import Placed, on_site

@@ -62,8 +62,7 @@ import numpy as np
 import torch
 
 from xmix_lens.kernels import Renorm
-from xmix_lens.lowered import (AffineWrite, GeneratedRead, GeneratedWrite, LoweredOp, Read, TokenOp, TokenProgram,
-                               named_tensors, op_digest, to_device)
+from xmix_lens.lowered import LoweredOp, TokenProgram, named_tensors, op_digest, to_device
 
 from .executor import Executor
 from . import cudart
@@ -362,7 +361,7 @@ class ControlPlane:
                 if stores and placed is not None:
                     raise ValueError(f"app {name!r}: prompt-level stores on a tensor-parallel engine are not "
                                      "supported; serve it with tensor_parallel_size 1")
-                if isinstance(op, Read) and op.W is not None and op.bias is None:
+                if getattr(op, "W", None) is not None and op.bias is None:  # a projection read without bias
                     op = replace(op, bias=torch.zeros(op.W.shape[1]))  # allocated once, not per launch
                 op, tables = self._with_tables(name, _bound_to(to_device(op, self.device), stores), placed)
                 entry = ResidentOp(name, site, row, op, placed=placed, tables=tables,
@@ -371,7 +370,7 @@ class ControlPlane:
                     entry.store = stores[op.store.name]
                     entry.step_values = torch.zeros(self.max_tokens, _read_width(op), dtype=torch.float32,
                                                     device=self.device)
-                elif isinstance(op, (Read, GeneratedRead)):
+                elif not op.writes:
                     reads.append(entry)
                 self.by_site.setdefault(site, []).append(entry)
                 resident.append(entry)
@@ -408,24 +407,14 @@ class ControlPlane:
 
     def _with_tables(self, app: str, op: LoweredOp, placed) -> tuple[LoweredOp, dict]:
         """The op with each field its request params move held as a table [slots, ...] (row 0 the
-        default): a write's bias as a per-token bias, a program's const as a `table` op."""
+        default), as its kind holds one (`with_param_tables`: a write's bias, a program's consts)."""
         fields = {f for by_field in op.slopes.values() for f in by_field} if hasattr(op, "slopes") else set()
         if not fields:
             return op, {}
         if placed is not None:
             raise ValueError(f"app {app!r}: request params at a hook point split over tensor-parallel ranks are not "
                              "supported; serve it with tensor_parallel_size 1")
-        slots = self.max_requests + 1
-        if isinstance(op, AffineWrite):
-            table = op.bias.expand(slots, *op.bias.shape).clone()
-            return replace(op, bias=table[:, None]), {"bias": table}
-        consts, ops, tables = list(op.program.consts), list(op.program.ops), {}
-        for f in fields:
-            i = int(f[len("consts["):-1])
-            consts[i] = tables[f] = consts[i].expand(slots, *consts[i].shape).clone()
-        ops = [TokenOp("table", o.args, o.shape) if o.op == "const" and f"consts[{o.args[0]}]" in tables else o
-               for o in ops]
-        return replace(op, program=TokenProgram(ops, consts, op.program.output)), tables
+        return op.with_param_tables(fields, self.max_requests + 1)
 
     def set_params(self, name: str, ops_by_site: dict[int, list[LoweredOp]]) -> int:
         """New tensors for an installed app's ops, copied in place: same structure, same addresses."""
@@ -879,10 +868,7 @@ def _check_resident(app: str, op: LoweredOp) -> None:
                 if store.reduce is None else f"reduce={store.reduce!r}")
         raise ValueError(f"app {app!r}: store {store.name!r} keeps {kind}; an installed app's stores fold "
                          f"the prompt with reduce= one of {REDUCTIONS}. Run it with run_with_hooks")
-    tables = _store_tables(op)
-    if isinstance(op, AffineWrite) and op.per_token_bias or isinstance(op, Read) and op.bias is not None \
-            and op.bias.dim() > 1 or isinstance(op, (GeneratedWrite, GeneratedRead)) \
-            and any(o.op == "table" and o.args[0] not in tables for o in op.program.ops):
+    if op.uses_token_tables:
         raise ValueError(f"app {app!r}: a hook uses per-token tables (patching from a cache); "
                          "run it with run_with_hooks")
 

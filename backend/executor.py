@@ -13,7 +13,7 @@ import torch
 
 from xmix_lens import kernels
 from xmix_lens.kernels.split_matmul import arrival_counters
-from xmix_lens.lowered import AffineWrite, GeneratedRead, GeneratedWrite, LoweredOp
+from xmix_lens.lowered import AffineWrite, GeneratedRead, GeneratedWrite, LoweredOp, Read
 
 
 class Kernels(NamedTuple):
@@ -44,22 +44,32 @@ class Executor:
         """Run `op` on x's rows (int32, -1 skipped). `table_index`: each row's index into per-token
         tables ([B, P, ...] flattened), for ops that have them. Reads write `out[dest]`. `renorm`: at a
         residual site, the norm's output after it, whose rows a write makes again (a read ignores it)."""
-        k, zeros = self.kernels, self.zeros[: rows.numel()]
-        if isinstance(op, AffineWrite):
-            if op.per_token_bias:
-                k.affine_write(x, rows, op.scale[None], zeros, op.bias.reshape(-1, op.bias.shape[-1]), table_index,
-                               op.U, op.V, renorm)
-            else:
-                k.affine_write(x, rows, op.scale[None], zeros, op.bias[None], zeros, op.U, op.V, renorm)
-        elif isinstance(op, GeneratedWrite):
-            k.run_program(x, rows, op.program, zeros if table_index is None else table_index, renorm=renorm)
-        elif isinstance(op, GeneratedRead):
-            k.run_program(x, rows, op.program, zeros if table_index is None else table_index, out, dest)
-        elif op.W is None:
-            k.gather_rows(x, rows, out, dest)
+        self._launches[type(op)](self, op, x, rows, table_index, out, dest, renorm)
+
+    def _affine_write(self, op: AffineWrite, x, rows, table_index, out, dest, renorm) -> None:
+        zeros = self.zeros[: rows.numel()]
+        if op.per_token_bias:
+            self.kernels.affine_write(x, rows, op.scale[None], zeros, op.bias.reshape(-1, op.bias.shape[-1]),
+                                      table_index, op.U, op.V, renorm)
         else:
-            width = op.W.shape[1]
-            shared = op.bias is not None and op.bias.dim() == 1
-            k.project_read(x, rows, op.W, op.bias if shared else torch.zeros(width, device=x.device), out, dest)
-            if op.bias is not None and not shared:  # a per-token bias, added where it is known
-                out[dest.long()] += op.bias.reshape(-1, width)[table_index.long()]
+            self.kernels.affine_write(x, rows, op.scale[None], zeros, op.bias[None], zeros, op.U, op.V, renorm)
+
+    def _read(self, op: Read, x, rows, table_index, out, dest, renorm) -> None:
+        if op.W is None:
+            self.kernels.gather_rows(x, rows, out, dest)
+            return
+        width = op.W.shape[1]
+        shared = op.bias is not None and op.bias.dim() == 1
+        self.kernels.project_read(x, rows, op.W, op.bias if shared else torch.zeros(width, device=x.device), out, dest)
+        if op.bias is not None and not shared:  # a per-token bias, added where it is known
+            out[dest.long()] += op.bias.reshape(-1, width)[table_index.long()]
+
+    def _program(self, op: GeneratedWrite | GeneratedRead, x, rows, table_index, out, dest, renorm) -> None:
+        table_index = self.zeros[: rows.numel()] if table_index is None else table_index
+        if op.writes:
+            self.kernels.run_program(x, rows, op.program, table_index, renorm=renorm)
+        else:
+            self.kernels.run_program(x, rows, op.program, table_index, out, dest)
+
+    # each op kind's launch path (a new kind adds its own)
+    _launches = {AffineWrite: _affine_write, Read: _read, GeneratedWrite: _program, GeneratedRead: _program}

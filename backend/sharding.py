@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from xmix_lens.lowered import AffineWrite, GeneratedWrite, LoweredOp, Read, TokenProgram
+from xmix_lens.lowered import LoweredOp, TokenProgram
 from xmix_lens.ops import OPS
 
 from .executor import Executor
@@ -55,16 +55,17 @@ def plan(op: LoweredOp, F: int, world: int) -> ShardPlan:
     """How `op`, lowered for the whole site of F features, runs when F is split over `world` ranks."""
     if F % world:
         raise ValueError(f"a site of {F} features does not split over {world} ranks")
-    if isinstance(op, AffineWrite):
+    if op.is_program:
+        program: TokenProgram = op.program
+        # ops that never mix features (the op table's "local" ops) and constants cut in blocks: shard-local
+        elementwise = all(OPS[o.op].shards == "local" for o in program.ops) \
+            and all(c.numel() in (1, F) for c in program.consts)
+        return ShardPlan("local" if elementwise and op.writes else "gather", op, world)
+    if op.writes:  # an affine write
         low_rank_local = op.U.shape[1] == 0 or all(_within_one_block(op.U[:, k], op.V[k], world)
                                                   for k in range(op.U.shape[1]))
         return ShardPlan("local" if low_rank_local else "gather", op, world)
-    if isinstance(op, Read):
-        return ShardPlan("gather" if op.W is None else "reduce", op, world)
-    program: TokenProgram = op.program
-    # ops that never mix features (the op table's "local" ops) and constants cut in blocks: shard-local
-    elementwise = all(OPS[o.op].shards == "local" for o in program.ops) and all(c.numel() in (1, F) for c in program.consts)
-    return ShardPlan("local" if elementwise and isinstance(op, GeneratedWrite) else "gather", op, world)
+    return ShardPlan("gather" if op.W is None else "reduce", op, world)  # a read: the identity, or a projection
 
 
 def _within_one_block(u: torch.Tensor, v: torch.Tensor, world: int) -> bool:
@@ -78,12 +79,13 @@ def for_rank(p: ShardPlan, F: int, rank: int) -> LoweredOp:
     op, b = p.op, p.block(rank, F)
     if p.kind == "gather":
         return op
-    if isinstance(op, AffineWrite):
+    if op.is_program:
+        return replace(op, program=_block_program(op.program, b, F))
+    if op.writes:  # an affine write
         return replace(op, scale=op.scale[b], bias=op.bias[..., b], U=op.U[b], V=op.V[:, b])
-    if isinstance(op, Read):  # reduce: a partial projection; the bias is added once, by rank 0
-        bias = op.bias if op.bias is None or rank == 0 else torch.zeros_like(op.bias)
-        return replace(op, W=op.W[b], bias=bias)
-    return replace(op, program=_block_program(op.program, b, F))
+    # a read's reduce plan: a partial projection; the bias is added once, by rank 0
+    bias = op.bias if op.bias is None or rank == 0 else torch.zeros_like(op.bias)
+    return replace(op, W=op.W[b], bias=bias)
 
 
 def _block_program(program: TokenProgram, b: slice, F: int) -> TokenProgram:
@@ -124,7 +126,7 @@ def on_site(placed: Placed | None, x: torch.Tensor, comm):
         return
     whole = comm.all_gather(x)
     yield whole
-    if isinstance(placed.op, (AffineWrite, GeneratedWrite)):
+    if placed.op.writes:
         x.copy_(whole[:, placed.block])
 
 
@@ -146,7 +148,7 @@ def run_sharded(p: ShardPlan, shards: list[torch.Tensor]) -> torch.Tensor | None
 def _run(op: LoweredOp, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:
     """The op on every token of x (the torch twins of the kernels); a read's value."""
     executor = Executor(torch.device("cpu"), len(rows))
-    if isinstance(op, (AffineWrite, GeneratedWrite)):
+    if op.writes:
         executor.run(op, x, rows)
         return None
     out = torch.empty(len(rows), math.prod(op.feature_shape))

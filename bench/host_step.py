@@ -53,7 +53,7 @@ def measure(model, device: torch.device, requests: int, steps: int, request_step
     per_prefill = max(1, prefill_tokens // prompt_len)  # whole prompts a prefill step
     plane = ControlPlane(device, max(requests, 256, per_prefill * prompt_len), max_requests=requests)
     for app in apps:
-        plane.install(app.name, runtime._place_all(model._lower_app(app.name, app.fwd_hooks).ops, resident=True))
+        plane.install(app.name, runtime._place_all(model.planner.lower_app(app.name, app.fwd_hooks).ops, resident=True))
     names = [app.name for app in apps]
     query_start = np.arange(requests + 1)
     take_seconds, ids = [], []

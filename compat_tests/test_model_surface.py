@@ -276,7 +276,7 @@ def test_attribution_patching_idiom(pair):
     assert names == names_tl and len(bwd_ours) == len(bwd_tl) > 0
     assert all(torch.equal(a, b) for a, b in zip(fwd_ours + bwd_ours, fwd_tl + bwd_tl))
     # and afterwards calls run in the engine again
-    assert not xl._has_backward_hooks()
+    assert not xl.has_backward_hooks()
 
 
 # --- start_at_layer, stop_at_layer, input_to_embed --------------------------------------------------

@@ -14,6 +14,7 @@ from vllm.compilation.counter import compilation_counter
 
 from tests.tiny_models import tiny_llama
 from xmix_lens.passes import PassPlan
+from xmix_lens.planner import Rows
 
 from test_serving import LONG_PROMPT, eager_tiny_llama
 
@@ -49,7 +50,7 @@ class Apps:
 def install_resident(model, name, hooks):
     """Lower hooks as an installed app's and make them resident in the engine, below the App API;
     returns the (read key, proxy) pairs of the values they keep."""
-    traced = model._lower_app(name, hooks)
+    traced = model.planner.lower_app(name, hooks)
     model.engine.install_app(name, traced.ops)
     return traced.kept
 
@@ -68,10 +69,12 @@ def installed(served):
 
 def run_selected(model, prompts, row_apps):
     """Logits of one pass whose rows select installed apps, and each row's app reads."""
-    call = model._forward_call(prompts, "logits")
+    rows = Rows.of_lists([model.to_tokens(p)[0].tolist() for p in prompts], model.tokenizer.pad_token_id,
+                         model.cfg.d_vocab)
+    call = model.planner.forward_call(rows, "logits")
     (plan,) = call.plans
     plan.apps = [tuple(apps) for apps in row_apps]
-    outcomes = model._run(call.plans)
+    outcomes = model.planner.run(call.plans)
     return call.finish(outcomes), outcomes[0].results.app_results
 
 
@@ -150,13 +153,13 @@ def test_toggles_are_buffer_writes(installed, monkeypatch):
     finally:
         model.engine.runtime.set_default_apps(())
     assert launched() == first
-    info = model.engine.runtime.set_app_params("cp-steer", model._lower_app("cp-steer", [
+    info = model.engine.runtime.set_app_params("cp-steer", model.planner.lower_app("cp-steer", [
         ("blocks.0.hook_resid_post", lambda act, hook: act - apps.v)]).ops)
     try:
         reversed_, _ = run_selected(model, PROMPTS[:1], [{"cp-steer"}])
         assert launched() == first
     finally:
-        model.engine.runtime.set_app_params("cp-steer", model._lower_app("cp-steer", apps.steer()).ops)
+        model.engine.runtime.set_app_params("cp-steer", model.planner.lower_app("cp-steer", apps.steer()).ops)
     assert info.version >= 1
     assert [tuple(t.data_ptr() for t in vars(o.op).values() if isinstance(t, torch.Tensor)) for o in resident] \
         == addresses
@@ -171,7 +174,7 @@ def test_toggles_are_buffer_writes(installed, monkeypatch):
 
 def test_new_parameters_of_another_structure_are_refused(installed):
     model, apps, _ = installed
-    gated = model._lower_app("cp-steer", apps.gate()).ops
+    gated = model.planner.lower_app("cp-steer", apps.gate()).ops
     with pytest.raises(ValueError, match="install it as a new app"):
         model.engine.runtime.set_app_params("cp-steer", gated)
     assert torch.isfinite(run_selected(model, PROMPTS[:1], [{"cp-steer"}])[0]).all()  # still serving
@@ -180,7 +183,7 @@ def test_new_parameters_of_another_structure_are_refused(installed):
 def test_bad_installs_are_clear_errors(installed):
     model, apps, _ = installed
     with pytest.raises(ValueError, match="installed already"):
-        model.engine.runtime.install_app("cp-steer", model._lower_app("cp-steer", apps.steer()).ops)
+        model.engine.runtime.install_app("cp-steer", model.planner.lower_app("cp-steer", apps.steer()).ops)
     def zero_last(act, hook):
         act[:, -1] = 0
 
@@ -214,7 +217,7 @@ def test_messenger_under_chunked_prefill_and_preemption(served, small_steps):
     prompts = [" ".join(["The cat sat on the mat"] * 6), " ".join(["One two three four"] * 7),
                " ".join(["The cat sat on the mat"] * 6) + " yes", "Short"]
     rows = [model.to_tokens(p)[0].tolist() for p in prompts]
-    plan = PassPlan(rows, [0] * len(rows), model._trace_hooks(len(rows), max(map(len, rows))), None, 120,
+    plan = PassPlan(rows, [0] * len(rows), model.planner.trace_hooks(len(rows), max(map(len, rows))), None, 120,
                     {"temperature": 0.0, "ignore_eos": True}, [("probe",)] * len(rows))
     tokens_run = []  # a step's tokens: positions computed, recomputed ones included
     prepare = model.engine.runtime.control.prepare_step
@@ -225,7 +228,7 @@ def test_messenger_under_chunked_prefill_and_preemption(served, small_steps):
 
     model.engine.runtime.control.prepare_step = counting
     try:
-        (outcome,) = model._run([plan])
+        (outcome,) = model.planner.run([plan])
     finally:
         del model.engine.runtime.control.prepare_step
     assert max(len(r) for r in rows) > 16  # prompts were prefilled in chunks
@@ -309,7 +312,7 @@ def test_reads_leave_no_python_objects_behind_as_steps_run(installed):
     model, apps, _ = installed
     control = model.engine.runtime.control
     rows = [model.to_tokens(p)[0].tolist() for p in PROMPTS * 2]
-    plan = PassPlan(rows, [0] * len(rows), model._trace_hooks(len(rows), max(map(len, rows))), None, 64,
+    plan = PassPlan(rows, [0] * len(rows), model.planner.trace_hooks(len(rows), max(map(len, rows))), None, 64,
                     {"temperature": 0.0, "ignore_eos": True}, [("cp-probe",)] * len(rows))
     tracked = []
     prepare = control.prepare_step
@@ -320,7 +323,7 @@ def test_reads_leave_no_python_objects_behind_as_steps_run(installed):
 
     control.prepare_step = counting
     try:
-        (outcome,) = model._run([plan])
+        (outcome,) = model.planner.run([plan])
     finally:
         del control.prepare_step
     assert len(tracked) >= 60
@@ -407,7 +410,7 @@ def test_home_copies_wait_for_each_mark_once_and_never_record_over_one_not_done(
     newest mark LAG old where that is later (one synchronize for the next steps' moves too), a
     mark known done is not waited for again, and an event is recorded again only once the mark it
     stood for is known done. Events here log what the device would be asked."""
-    from xmix_lens.backend.vllm import messenger
+    from xmix_lens.backend import messenger
 
     calls = []
 
@@ -455,7 +458,7 @@ def test_a_read_logs_new_chunks_are_made_ahead_on_a_helper_thread(monkeypatch):
     appends a step's values; it counts the chunks it made."""
     import threading
 
-    from xmix_lens.backend.vllm import messenger
+    from xmix_lens.backend import messenger
 
     made = []
 
@@ -483,7 +486,7 @@ def test_a_read_area_sends_a_steps_reads_of_every_op_home_in_one_copy(monkeypatc
     op's rows tagged with its own owners: each op's take against a dict of (request, position) ->
     latest value per op, across the log's chunks. Whether or not the next slot's rows are moved
     after each step's launch (`move_ahead`, as ControlPlane.launched does), never the last step's."""
-    from xmix_lens.backend.vllm import messenger
+    from xmix_lens.backend import messenger
 
     copies = []
     real_copy = np.copyto  # the CPU's copy home (ReadArea._copier)
@@ -535,7 +538,7 @@ def test_a_wider_area_absorbs_the_rows_its_ops_had_in_the_last_one():
     """An area made again wider (read ops installed before a capture) takes over the rows the old
     area's log holds for the ops it keeps, in their new columns; rows only a dropped op owned stay
     behind."""
-    from xmix_lens.backend.vllm import messenger
+    from xmix_lens.backend import messenger
 
     alive = lambda: np.arange(3)  # noqa: E731
     old = messenger.ReadArea([2, 1], 8, torch.float32, torch.device("cpu"), messenger.HomeCopies(pin=False), alive)
@@ -557,8 +560,6 @@ def test_uninstalling_a_reading_app_before_its_last_step_goes_home_is_safe(serve
     """A step's reads are copied home when the next step is prepared (or at drain): an app
     uninstalled in between, its control row freed (and taken by a new app), must neither break
     that copy nor put its values in another op's log."""
-    import numpy as np
-
     from xmix_lens.backend.control import ControlPlane
 
     model = served[MODEL]
@@ -568,7 +569,7 @@ def test_uninstalling_a_reading_app_before_its_last_step_goes_home_is_safe(serve
 
     def install(name):
         kept = {}
-        lowered = model._lower_app(name, [("blocks.1.hook_resid_post", lambda act, hook: kept.update(s=act @ w))])
+        lowered = model.planner.lower_app(name, [("blocks.1.hook_resid_post", lambda act, hook: kept.update(s=act @ w))])
         return plane.install(name, runtime._place_all(lowered.ops, resident=True))
 
     first = install("first-probe")
@@ -598,7 +599,7 @@ def test_a_decode_steps_launch_is_checked_against_its_mark_only_when_the_host_ti
     w = vector(model.cfg.d_model, 7)
     plane = ControlPlane(torch.device("cpu"), 64)
     kept = {}
-    lowered = model._lower_app("probe", [("blocks.1.hook_resid_post", lambda act, hook: kept.update(s=act @ w))])
+    lowered = model.planner.lower_app("probe", [("blocks.1.hook_resid_post", lambda act, hook: kept.update(s=act @ w))])
     plane.install("probe", runtime._place_all(lowered.ops, resident=True))
     plane.select("r0", ["probe"])
     asked, answers = [], [True, False, True]
@@ -632,7 +633,7 @@ def test_read_apps_installed_before_a_capture_share_one_area(served):
 
     def install(name, seed):
         w, kept = vector(model.cfg.d_model, seed), {}
-        lowered = model._lower_app(name, [("blocks.1.hook_resid_post", lambda act, hook: kept.update(s=act @ w))])
+        lowered = model.planner.lower_app(name, [("blocks.1.hook_resid_post", lambda act, hook: kept.update(s=act @ w))])
         return plane.install(name, runtime._place_all(lowered.ops, resident=True)).ops[0]
 
     first = install("p1", 11)
@@ -671,7 +672,7 @@ def test_a_control_plane_made_under_a_default_device_keeps_its_staging_on_the_ho
         plane = ControlPlane(torch.device("cpu"), 64)
     w = vector(model.cfg.d_model, 6)
     kept = {}
-    lowered = model._lower_app("probe", [("blocks.1.hook_resid_post", lambda act, hook: kept.update(s=act @ w))])
+    lowered = model.planner.lower_app("probe", [("blocks.1.hook_resid_post", lambda act, hook: kept.update(s=act @ w))])
     op = plane.install("probe", runtime._place_all(lowered.ops, resident=True)).ops[0]
     plane.select("r0", ["probe"])
     for step in range(3):  # both staging buffers, and the first again
@@ -695,7 +696,7 @@ def test_steps_with_the_rows_of_the_step_before_copy_nothing_and_lose_no_read(se
     def plane_with_apps():
         plane = ControlPlane(torch.device("cpu"), 64)
         for name, h in hooks.items():
-            plane.install(name, runtime._place_all(model._lower_app(name, h).ops, resident=True))
+            plane.install(name, runtime._place_all(model.planner.lower_app(name, h).ops, resident=True))
         return plane
 
     plane = plane_with_apps()
@@ -791,7 +792,7 @@ def test_reads_are_kept_in_the_model_dtype(served):
 
     model = served[MODEL]
     w, kept = vector(model.cfg.d_model, 8), {}
-    lowered = model._lower_app("probe", [("blocks.1.hook_resid_post", lambda act, hook: kept.update(s=act @ w))])
+    lowered = model.planner.lower_app("probe", [("blocks.1.hook_resid_post", lambda act, hook: kept.update(s=act @ w))])
     plane = ControlPlane(torch.device("cpu"), 64, read_dtype=torch.bfloat16)
     op = plane.install("probe", model.engine.runtime._place_all(lowered.ops, resident=True)).ops[0]
     plane.select("r0", ["probe"])

@@ -99,7 +99,7 @@ def test_which_plans_the_cases_get(tp1):
     """The cases above cover every plan kind (so the comparison exercises every collective)."""
     hooks, kinds = Hooks(tp1.cfg), set()
     for case in ("ablate_head", "conditional_z", "probe_z"):  # all at attn.hook_z
-        ops = tp1._lower_app(case, hooks.cases()[case]).ops
+        ops = tp1.planner.lower_app(case, hooks.cases()[case]).ops
         ((_, (op,)),) = ops.items()
         kinds.add(sharding.plan(op, tp1.cfg.n_heads * tp1.cfg.d_head, 2).kind)
     assert kinds == {"local", "gather", "reduce"}
@@ -181,7 +181,7 @@ def test_errors_under_tp_name_the_problem_and_leave_the_engine_usable(tp1, tp2):
     try:
         with pytest.raises(Exception, match="tp-nope"):  # refused in the driver, before any RPC
             tp2.run_with_hooks(PROMPTS[:1], apps=[["tp-nope"]])
-        ops = tp2._lower_app(app.name, app.fwd_hooks).ops
+        ops = tp2.planner.lower_app(app.name, app.fwd_hooks).ops
         with pytest.raises(ValueError, match="installed already"):  # raised in the workers, sent back as is
             tp2.engine.runtime.install_app(app.name, ops)
         assert tp2.engine.runtime.read("installed")[1].keys() == tp2.engine.runtime.installed.keys()

@@ -11,7 +11,7 @@ import importlib
 _EXPORTS = {
     "ActivationCache": "cache", "App": "app", "AppRun": "app", "HookPoint": "hook_points",
     "HookedServedModel": "model", "HookedTransformer": "model",
-    "NonFiniteError": "model", "TraceError": "trace", "store": "stores", "topk_mask": "functional",
+    "NonFiniteError": "planner", "TraceError": "trace", "store": "stores", "topk_mask": "functional",
     "export": "model", "evaluate": "evaluation", "set_verbosity": "verbosity",
 }
 __all__ = sorted(_EXPORTS)

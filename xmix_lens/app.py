@@ -127,36 +127,56 @@ class AppRun(NamedTuple):
     selection: list  # per row: the names of the apps it ran, in install order
 
 
+@dataclass
+class InstalledApp:
+    """One app installed in one model: the App, and how the engine runs it."""
+
+    app: App
+    # resident in the engine (graph-safe; backend/control.py): {read key: ResidentRead}; None: its
+    # hooks are traced into each call's passes
+    reads: dict | None = None
+    # a resident app's graphs, its parameters as named inputs: set_params lowers them again
+    graphs: list = field(default_factory=list)
+    # the app's param_versions() when its resident ops were last lowered: a write into app.params in
+    # place is seen, and the engine's copy updated, before the next call uses it
+    lowered_versions: tuple = ()
+    # {param: (lowest, highest)}: what a request may set for itself (apps from an app config, whose
+    # request params the engine holds per-request tables for: backend/control.py)
+    request_params: dict = field(default_factory=dict)
+
+    @property
+    def resident(self) -> bool:
+        return self.reads is not None
+
+
 class AppRegistry:
     """The apps installed in one model and the default selection (`activate`)."""
 
     def __init__(self):
-        self.apps: dict[str, App] = {}  # install order
+        self.installed: dict[str, InstalledApp] = {}  # install order
         self.active_all: set[str] = set()  # active for every row of a call without apps=
         self.active_rows: dict[int, set[str]] = {}  # active for these rows of such calls
-        # apps whose ops are resident in the engine (graph-safe; backend/control.py):
-        # name -> {read key: (output name, per-token feature shape)}
-        self.resident: dict[str, dict] = {}
-        # name -> the app's param_versions() when its resident ops were last lowered: a write into
-        # app.params in place is seen, and the engine's copy updated, before the next call uses it
-        self.lowered_versions: dict[str, tuple] = {}
-        # name -> a resident app's graphs, its parameters as named inputs: set_params lowers them again
-        self.graphs: dict[str, list] = {}
-        # name -> {param: (lowest, highest)}: what a request may set for itself (apps from an app config,
-        # whose request params the engine holds per-request tables for: backend/control.py)
-        self.request_params: dict[str, dict[str, tuple[float, float]]] = {}
+
+    @property
+    def apps(self) -> dict[str, App]:
+        return {name: record.app for name, record in self.installed.items()}
+
+    @property
+    def resident(self) -> dict[str, dict]:
+        """name -> {read key: ResidentRead} of the apps resident in the engine."""
+        return {name: record.reads for name, record in self.installed.items() if record.resident}
 
     def check_names(self, names: Iterable[str], where: str) -> list[str]:
         names = [names] if isinstance(names, str) else list(names)
         for name in names:
-            if name not in self.apps:
+            if name not in self.installed:
                 raise ValueError(f"{where} names app {name!r}, which is not installed (installed: {list(self.apps)}); "
                                  f"install it first with model.install(app), or fix the name")
         return names
 
     def ordered(self, names: Iterable[str]) -> tuple[str, ...]:
         wanted = set(names)
-        return tuple(n for n in self.apps if n in wanted)
+        return tuple(n for n in self.installed if n in wanted)
 
     def selection(self, apps, n_rows: int) -> list[tuple[str, ...]] | None:
         """Each row's apps in install order, or None when no row runs any app."""
@@ -186,7 +206,7 @@ class AppRegistry:
 
     def deactivate(self, names=None, requests: Iterable[int] | None = None) -> None:
         """Undo `activate`: these apps (all, if names is None), for every request or for these rows."""
-        names = set(self.apps if names is None else self.check_names(names, "deactivate"))
+        names = set(self.installed if names is None else self.check_names(names, "deactivate"))
         if requests is None:
             self.active_all -= names
             for row_names in self.active_rows.values():
@@ -266,7 +286,7 @@ def resident_reads(registry: AppRegistry, g: RowGroup, results: list[dict], offs
     of the last position (`act[:, -1]`: ResidentRead.last) without the position dim, as there."""
     prompt, generated = {}, {}
     for name in g.apps:
-        for key, (output, features, last) in registry.resident.get(name, {}).items():
+        for key, (output, features, last) in (registry.installed[name].reads or {}).items():
             at_prompt = torch.zeros(len(g.rows), width, *features, dtype=dtype)
             newest = torch.zeros(len(g.rows), 1, *features, dtype=dtype)
             for i, per_row in enumerate(results):

@@ -26,15 +26,15 @@ from typing import Annotated, Literal, Union
 import torch
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, ValidationError
 
+from .families import ARCHITECTURES
 from .hook_points import feature_shape, hook_names, model_dims
 from .lowered import (AffineWrite, GeneratedRead, GeneratedWrite, LoweredOp, Read, ResidentRead, TokenOp, TokenProgram,
                       named_tensors)
 from .ops import OPS
-from .stores import StoreSpec
+from .trace import StoreSpec
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
-FAMILIES = {"LlamaForCausalLM": "llama", "GPT2LMHeadModel": "gpt2"}
 
 
 class _Strict(BaseModel):
@@ -231,17 +231,17 @@ def _op_spec(op: LoweredOp, tensors: dict, prefix: str):
               for param, by_field in getattr(op, "slopes", {}).items()}
     store = getattr(op, "store", None)
     store = StorePut(name=store.name, reduce=store.reduce) if store is not None else None
-    if isinstance(op, AffineWrite):
-        return AffineWriteSpec(kind="affine_write", scale=ref("scale", op.scale), bias=ref("bias", op.bias),
-                               U=ref("U", op.U), V=ref("V", op.V), slopes=slopes)
-    if isinstance(op, Read):
+    if not op.is_program:  # a parametric template
+        if op.writes:
+            return AffineWriteSpec(kind="affine_write", scale=ref("scale", op.scale), bias=ref("bias", op.bias),
+                                   U=ref("U", op.U), V=ref("V", op.V), slopes=slopes)
         return ReadSpec(kind="read", key=op.key, W=ref("W", op.W), bias=ref("bias", op.bias),
                         feature_shape=list(op.feature_shape), store=store)
     tables = op.store_tables  # a store's table is the engine's: its shape, not its values, is written
     program = ProgramSpec(ops=[TokenOpSpec(op=o.op, args=list(o.args), shape=list(o.shape)) for o in op.program.ops],
                           consts=[ref(f"const{i}", c[:1] if i in tables else c) for i, c in enumerate(op.program.consts)],
                           output=op.program.output)
-    if isinstance(op, GeneratedWrite):
+    if op.writes:
         return GeneratedWriteSpec(kind="generated_write", program=program, slopes=slopes, store_tables=tables)
     return GeneratedReadSpec(kind="generated_read", key=op.key, program=program, feature_shape=list(op.feature_shape),
                              slopes=slopes, store=store, store_tables=tables)
@@ -273,9 +273,10 @@ def read(folder: Path, model_dir: Path) -> list[tuple[AppSpec, dict[str, list[Lo
                               f".safetensors file per app, nothing else: no pickles, no code); remove it")
     if len({a.name for a in manifest.apps}) != len(manifest.apps):
         raise ConfigError(f"{folder}: two apps have the same name; app names are unique")
-    family = FAMILIES.get(served.architecture)
-    if family is None:
-        raise ConfigError(f"{folder}: architecture {served.architecture} is not supported; supported: {sorted(FAMILIES)}")
+    if served.architecture not in ARCHITECTURES:
+        raise ConfigError(f"{folder}: architecture {served.architecture} is not supported; supported: "
+                          f"{sorted(ARCHITECTURES)}")
+    family = ARCHITECTURES[served.architecture].name
     points, hf = set(hook_names(family, served.n_layers)), json.loads((Path(model_dir) / "config.json").read_text())
     loaded = []
     for app in manifest.apps:
@@ -347,8 +348,7 @@ def _with_slopes(app: AppSpec, where: str, spec, op: LoweredOp, tensors: dict) -
             raise ConfigError(f"app {app.name!r}: {where}.slopes names {param!r}, which params does not declare; "
                               f"export the app again")
         for field, name in by_field.items():
-            can_change = field == "bias" if isinstance(op, AffineWrite) else field.startswith("consts[")
-            if not can_change or field not in named:
+            if not op.may_take_slope(field) or field not in named:
                 raise ConfigError(f"app {app.name!r}: {where}.slopes.{param}.{field}: a request's value can change a "
                                   f"write's bias or a program's consts, not {field}; export the app again")
             slope = tensors.get(name)

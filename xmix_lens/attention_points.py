@@ -17,10 +17,12 @@ nothing there; TransformerLens computes the pad tokens' own attention there).
 """
 import torch
 
+from .families import FAMILIES
+
 
 def query_key_names(family: str, layer: int) -> tuple[str, str]:
-    """The hook points whose reads are the query and key attention uses: rotated for rotary models."""
-    rotated = "rot_" if family == "llama" else ""
+    """The hook points whose reads are the query and key attention uses: rotated for rotary families."""
+    rotated = "rot_" if FAMILIES[family].rotary else ""
     return f"blocks.{layer}.attn.hook_{rotated}q", f"blocks.{layer}.attn.hook_{rotated}k"
 
 

@@ -21,7 +21,6 @@ import hashlib
 import itertools
 import json
 import math
-import os
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -121,10 +120,11 @@ class Evaluation:
                  seed: int = 0, in_flight: int | None = None):
         self.model, self.registry = model, model.app_registry
         self.installed = list(model.engine.installed)  # the apps a row may choose, in install order
-        self.declared = {name: self.registry.request_params.get(name, {}) for name in self.installed}
+        records = {name: self.registry.installed.get(name) for name in self.installed}
+        self.declared = {name: record.request_params if record else {} for name, record in records.items()}
         self.reading = {name for name, info in model.engine.installed.items() if info.reads}
         self.outputs = {(name, tuple(key)): out for name in self.installed
-                        for key, out in self.registry.resident.get(name, {}).items()}
+                        for key, out in ((records[name].reads if records[name] else None) or {}).items()}
         sweeps = [s if isinstance(s, Sweep) else Sweep.parse(s) for s in sweep]
         for s in sweeps:
             s.check(self.declared)

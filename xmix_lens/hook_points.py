@@ -6,13 +6,16 @@ the functions are not called by the forward pass itself: they are traced when a 
 in the engine as lowered programs (see trace.py, lower.py).
 
 The names of a model, in the order TransformerLens fires them, and the per-token feature shape of
-each hook point's act are defined here, for every backend: a backend places each name somewhere in
-its engine (backend/vllm/sites.py) and numbers sites by their index in `hook_names`.
+each hook point's act are defined here, for every backend, from the model's family (families.py):
+a backend places each name somewhere in its engine (backend/vllm/sites.py) and numbers sites by
+their index in `hook_names`.
 """
 import difflib
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from .families import FAMILIES, Family
 
 # TransformerLens 4.x bridge names -> the 3.x name they alias (same HookPoint)
 _ALIASES = {
@@ -29,12 +32,20 @@ _ALIASES = {
     r"blocks\.(\d+)\.attn\.hook_(attn_in|[qkv]_input)": r"blocks.\1.hook_\2",
 }
 
-# Hook points TransformerLens has that the served path does not offer yet, with the reason.
+
+def _lacking(has: Callable[[Family], bool]) -> str:
+    """The families without a feature, as messages write them."""
+    return " / ".join(family.title for family in FAMILIES.values() if not has(family))
+
+
+# Hook points TransformerLens has for some families only, with the reason a model of another lacks them.
 _UNSUPPORTED = {
     r"blocks\.\d+\.attn\.hook_rot_[qk]":
-        "GPT-2 has no rotary embedding (TransformerLens has no hook_rot_q/k for it either); use attn.hook_q / hook_k",
+        f"{_lacking(lambda f: f.rotary)} has no rotary embedding (TransformerLens has no hook_rot_q/k for it "
+        f"either); use attn.hook_q / hook_k",
     r"blocks\.\d+\.mlp\.hook_pre_linear":
-        "GPT-2's MLP is not gated (TransformerLens has no hook_pre_linear for it either); use mlp.hook_pre",
+        f"{_lacking(lambda f: f.gated_mlp)}'s MLP is not gated (TransformerLens has no hook_pre_linear for it "
+        f"either); use mlp.hook_pre",
 }
 
 def canonical_name(name: str) -> str:
@@ -137,11 +148,6 @@ class HookPoint:
 # One block's hook points in firing order (HookedTransformer's order). The engine places every one
 # of them (a site), except the COMPUTED ones, which the API layer computes after a pass from the
 # engine's reads of it (xmix_lens/computed_points.py): vLLM's forward never materialises them.
-ATTENTION_POINTS = {"llama": ("attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.hook_rot_q", "attn.hook_rot_k"),
-                    "gpt2": ("attn.hook_q", "attn.hook_k", "attn.hook_v")}
-# gated MLPs (Llama) have a linear half beside the activation's input
-MLP_POINTS = {"llama": ("mlp.hook_pre", "mlp.hook_pre_linear", "mlp.hook_post"),
-              "gpt2": ("mlp.hook_pre", "mlp.hook_post")}
 COMPUTED_POINTS = ("hook_attn_in", "hook_q_input", "hook_k_input", "hook_v_input", "attn.hook_attn_scores",
                    "attn.hook_pattern", "attn.hook_result", "hook_mlp_in", "unembed.hook_out")
 # Computed points TransformerLens fires only while a config switch is on (model.set_use_attn_result(True) ...)
@@ -150,28 +156,28 @@ SWITCHED = {"hook_attn_in": "use_attn_in", "hook_q_input": "use_split_qkv_input"
             "attn.hook_result": "use_attn_result", "hook_mlp_in": "use_hook_mlp_in"}
 
 
-def _block_points(family: str, computed: bool) -> tuple[str, ...]:
-    def maybe(*points):
-        return points if computed else ()
-
-    return ("hook_resid_pre", *maybe("hook_attn_in", "hook_q_input", "hook_k_input", "hook_v_input"),
-            "ln1.hook_scale", "ln1.hook_normalized", *ATTENTION_POINTS[family],
-            *maybe("attn.hook_attn_scores", "attn.hook_pattern"), "attn.hook_z", *maybe("attn.hook_result"),
-            "hook_attn_out", "hook_resid_mid", *maybe("hook_mlp_in"), "ln2.hook_scale", "ln2.hook_normalized",
-            *MLP_POINTS[family], "hook_mlp_out", "hook_resid_post")
+def _when(on: bool, *points: str) -> tuple[str, ...]:
+    return points if on else ()
 
 
-# What comes before the blocks, per family: GPT-2 adds learned position embeddings.
-EMBEDDING_POINTS = {"llama": ("hook_embed",), "gpt2": ("hook_embed", "hook_pos_embed")}
-FAMILIES = tuple(EMBEDDING_POINTS)
+def _block_points(family: Family, computed: bool) -> tuple[str, ...]:
+    return ("hook_resid_pre", *_when(computed, "hook_attn_in", "hook_q_input", "hook_k_input", "hook_v_input"),
+            "ln1.hook_scale", "ln1.hook_normalized", "attn.hook_q", "attn.hook_k", "attn.hook_v",
+            *_when(family.rotary, "attn.hook_rot_q", "attn.hook_rot_k"),
+            *_when(computed, "attn.hook_attn_scores", "attn.hook_pattern"), "attn.hook_z",
+            *_when(computed, "attn.hook_result"), "hook_attn_out", "hook_resid_mid", *_when(computed, "hook_mlp_in"),
+            "ln2.hook_scale", "ln2.hook_normalized", "mlp.hook_pre", *_when(family.gated_mlp, "mlp.hook_pre_linear"),
+            "mlp.hook_post", "hook_mlp_out", "hook_resid_post")
 
 
 def _names(family: str, n_layers: int, computed: bool) -> list[str]:
-    if family not in EMBEDDING_POINTS:
+    if family not in FAMILIES:
         raise ValueError(f"unknown model family {family!r}; supported: {list(FAMILIES)}")
-    blocks = [f"blocks.{L}.{point}" for L in range(n_layers) for point in _block_points(family, computed)]
-    return [*EMBEDDING_POINTS[family], *blocks, "ln_final.hook_scale", "ln_final.hook_normalized",
-            "unembed.hook_in", *(("unembed.hook_out",) if computed else ())]
+    record = FAMILIES[family]
+    blocks = [f"blocks.{L}.{point}" for L in range(n_layers) for point in _block_points(record, computed)]
+    # before the blocks: the token embedding, and a learned position embedding's
+    return ["hook_embed", *_when(record.positions == "learned", "hook_pos_embed"), *blocks, "ln_final.hook_scale",
+            "ln_final.hook_normalized", "unembed.hook_in", *_when(computed, "unembed.hook_out")]
 
 
 def hook_names(family: str, n_layers: int) -> list[str]:

@@ -4,17 +4,85 @@ A hook on one hook point lowers to a list of ops, run in order on the site tenso
 (the flattened tokens of one engine step). Each op touches the tokens of its pass whose padded
 position is selected, and is an instance of a kernel template (kernels/): its behaviour is the
 contents of its tensors, so changing a parameter never changes code.
+
+What an op kind does is told by its class, so that code running ops asks the op, never its type,
+and a new kind is a new class.
 """
 import hashlib
 from dataclasses import dataclass, field, replace
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import torch
 
 
+class _OpKind:
+    """What every op kind tells of itself. Each kind's class adds `uses_token_tables` (a tensor holds
+    a value per token of a pass: patching from a cache) and `describe()` (one line: which template
+    runs, on which tokens, with which parameters); a kind that may take slopes adds `with_param_tables`."""
+
+    writes: ClassVar[bool]  # changes x's selected rows in place; else delivers a value per token (a read)
+    is_program: ClassVar[bool] = False  # runs a generated per-token program; else a parametric template
+    _tensor_fields: ClassVar[tuple[str, ...]] = ()  # a template's tensors, in named_tensors' order
+
+    def may_take_slope(self, field: str) -> bool:
+        """Whether a request param's value may move this field (a name of named_tensors) by a slope."""
+        return False
+
+    def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """The op's tensors by field name ("scale", "bias", ..., "consts[i]" of a program)."""
+        return [(n, t) for n in self._tensor_fields if (t := getattr(self, n)) is not None]
+
+    def to_device(self, device, moved: dict | None = None):
+        """The op with its tensors on the engine's device: moved once, when a pass opens, never per step.
+
+        Store buffers are allocated there already, and must stay the same tensors (they are live);
+        `moved` maps id(tensor) to the device tensor already made for it (stores moved beforehand)."""
+        def move(t):
+            if not isinstance(t, torch.Tensor):
+                return t
+            return moved[id(t)] if moved and id(t) in moved else t.to(device)
+
+        return replace(self, **self._moved_fields(move))
+
+    def _moved_fields(self, move) -> dict:
+        """The fields that hold tensors, their tensors moved by `move`."""
+        return {n: move(getattr(self, n)) for n in self._tensor_fields}
+
+    def digest(self) -> bytes:
+        """Bytes that change whenever what the op does changes (its kind, positions and tensors)."""
+        h = hashlib.sha256(type(self).__name__.encode())
+        stores = getattr(self, "store_tables", {})  # a store's values change as requests run: its name counts
+        if self.is_program:
+            h.update(repr([(o.op, o.args, o.shape) for o in self.program.ops]).encode())
+        h.update(repr((sorted(stores.items()), getattr(getattr(self, "store", None), "name", None))).encode())
+        tables = {f"consts[{i}]" for i in stores}
+        for t in [self.positions] + [t for name, t in self.named_tensors() if name not in tables]:
+            if t is not None:
+                h.update(repr((t.dtype, tuple(t.shape))).encode())
+                h.update(t.detach().cpu().contiguous().numpy().tobytes())
+        return h.digest()
+
+    def _where(self) -> str:
+        if self.positions is None:
+            return "every position"
+        return f"positions {self.positions.nonzero().flatten().tolist()}"
+
+
+def _moved_slopes(slopes: dict, move) -> dict:
+    return {p: {f: move(t) for f, t in by_field.items()} for p, by_field in slopes.items()}
+
+
+def _sink(store) -> str:
+    """Where a read's value goes."""
+    return f"store {store.name!r}" if store is not None else "the host"
+
+
 @dataclass
-class AffineWrite:
+class AffineWrite(_OpKind):
     """x[t] <- x[t] * scale + bias[t] + (x[t] @ U) @ V at the selected tokens (kernels.affine_write)."""
+
+    writes: ClassVar[bool] = True
+    _tensor_fields: ClassVar[tuple[str, ...]] = ("scale", "bias", "U", "V")
 
     positions: torch.Tensor | None  # bool [P] over padded positions; None: every position
     scale: torch.Tensor  # [F]
@@ -28,15 +96,40 @@ class AffineWrite:
     def per_token_bias(self) -> bool:
         return self.bias.dim() == 3
 
+    @property
+    def uses_token_tables(self) -> bool:
+        return self.per_token_bias
+
+    def may_take_slope(self, field: str) -> bool:
+        return field == "bias"  # the added term: a request's value adds in proportion
+
+    def with_param_tables(self, fields: set[str], slots: int) -> tuple["AffineWrite", dict]:
+        """The op with its bias held as a table [slots, F] (slot 0 the default), read per token as a
+        per-token bias; and that table by field name."""
+        table = self.bias.expand(slots, *self.bias.shape).clone()
+        return replace(self, bias=table[:, None]), {"bias": table}
+
+    def _moved_fields(self, move) -> dict:
+        return super()._moved_fields(move) | {"slopes": _moved_slopes(self.slopes, move)}
+
+    def describe(self) -> str:
+        changed = int((self.scale != 1).sum())
+        bias = "per-token bias table" if self.per_token_bias else ("bias" if bool(self.bias.any()) else "no bias")
+        return (f"affine_write (parametric) at {self._where()}: scale changes {changed} of {self.scale.numel()} "
+                f"features, low rank {self.U.shape[1]}, {bias}")
+
 
 @dataclass
-class Read:
+class Read(_OpKind):
     """value[t] = x[t] @ W + bias[t] at the selected tokens, delivered to the host into read `key`.
 
     W None means the identity (kernels.gather_rows), else kernels.project_read. The host result has
     the traced value's shape: [B, P, *feature_shape], or [B, *feature_shape] when `keeps_pos` is
     False (one selected position). Positions a request does not have (padding) read as zero.
     """
+
+    writes: ClassVar[bool] = False
+    _tensor_fields: ClassVar[tuple[str, ...]] = ("bias", "W")
 
     key: object  # any hashable, unique within a pass
     positions: torch.Tensor | None
@@ -46,8 +139,14 @@ class Read:
     feature_shape: tuple[int, ...]
     store: object = None  # a StoreSpec: the value goes to that device store instead of the host
 
+    @property
+    def uses_token_tables(self) -> bool:
+        return self.bias is not None and self.bias.dim() > 1
 
-
+    def describe(self) -> str:
+        template = "gather_rows" if self.W is None else f"project_read W{list(self.W.shape)}"
+        return (f"{template} (parametric) at {self._where()} -> {_sink(self.store)}, "
+                f"value {list(self.feature_shape)} per token")
 
 
 # --- generated programs: what falls outside the parametric templates -----------------------------
@@ -85,9 +184,47 @@ class TokenProgram(NamedTuple):
     output: int  # index of the op whose value is the program's result
 
 
+class _Program(_OpKind):
+    """What the generated kinds share: their tensors are the program's consts, a request param may
+    move a const, and a `table` const holds a value per token."""
+
+    is_program: ClassVar[bool] = True
+
+    @property
+    def uses_token_tables(self) -> bool:
+        # a table of a store (store_tables) holds the store's per-request values, not a pass's per token
+        return any(o.op == "table" and o.args[0] not in self.store_tables for o in self.program.ops)
+
+    def may_take_slope(self, field: str) -> bool:
+        return field.startswith("consts[")
+
+    def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        return [(f"consts[{i}]", c) for i, c in enumerate(self.program.consts)]
+
+    def with_param_tables(self, fields: set[str], slots: int) -> tuple["_Program", dict]:
+        """The op with each const in `fields` ("consts[i]") held as a table [slots, ...] (slot 0 the
+        default), read per token by a `table` op instead of `const`; and those tables by field name."""
+        consts, tables = list(self.program.consts), {}
+        for f in fields:
+            i = int(f[len("consts["):-1])
+            consts[i] = tables[f] = consts[i].expand(slots, *consts[i].shape).clone()
+        ops = [TokenOp("table", o.args, o.shape) if o.op == "const" and f"consts[{o.args[0]}]" in tables else o
+               for o in self.program.ops]
+        return replace(self, program=TokenProgram(ops, consts, self.program.output)), tables
+
+    def _moved_fields(self, move) -> dict:
+        program = TokenProgram(self.program.ops, [move(c) for c in self.program.consts], self.program.output)
+        return {"program": program, "slopes": _moved_slopes(self.slopes, move)}
+
+    def _ops_text(self) -> str:
+        return f"{len(self.program.ops)} ops [{', '.join(o.op for o in self.program.ops)}]"
+
+
 @dataclass
-class GeneratedWrite:
+class GeneratedWrite(_Program):
     """x[t] <- program(x[t]) at the selected tokens, by a kernel generated for the program."""
+
+    writes: ClassVar[bool] = True
 
     positions: torch.Tensor | None
     program: TokenProgram
@@ -97,10 +234,15 @@ class GeneratedWrite:
     # which the engine binds to the store's per-request values (backend/control.py)
     store_tables: dict = field(default_factory=dict)
 
+    def describe(self) -> str:
+        return f"generated kernel (write) at {self._where()}: {self._ops_text()}"
+
 
 @dataclass
-class GeneratedRead:
+class GeneratedRead(_Program):
     """value[t] = program(x[t]) at the selected tokens, delivered like a Read."""
+
+    writes: ClassVar[bool] = False
 
     key: object
     positions: torch.Tensor | None
@@ -110,6 +252,11 @@ class GeneratedRead:
     store: object = None  # a StoreSpec: the value goes to that device store instead of the host
     slopes: dict = field(default_factory=dict)  # as GeneratedWrite's
     store_tables: dict = field(default_factory=dict)  # as GeneratedWrite's
+
+    def describe(self) -> str:
+        return f"generated kernel (read -> {_sink(self.store)}) at {self._where()}: {self._ops_text()}"
+
+
 LoweredOp = AffineWrite | Read | GeneratedWrite | GeneratedRead
 
 # An installed app is traced for a pass of this many positions: two, so that a read of the last
@@ -144,72 +291,29 @@ def _storage(t: torch.Tensor) -> int:
 
 def _resident_op(op: LoweredOp, stores: dict[int, str]) -> LoweredOp:
     last = [False] * (RESIDENT_TRACE_LEN - 1) + [True]
-    if isinstance(op, (Read, GeneratedRead)) and op.store is None and not op.keeps_pos \
+    if not op.writes and op.store is None and not op.keeps_pos \
             and op.positions is not None and op.positions.tolist() == last:
         op = replace(op, positions=None)
-    if isinstance(op, (GeneratedWrite, GeneratedRead)):
+    if op.is_program:
         tables = {i: stores[_storage(c)] for i, c in enumerate(op.program.consts) if _storage(c) in stores}
         if tables:
             op = replace(op, store_tables=tables)
     return op
 
 
+# --- the ops' methods as functions, as other modules import them ---------------------------------
 def named_tensors(op: LoweredOp) -> list[tuple[str, torch.Tensor]]:
-    """An op's tensors by field name ("scale", "bias", ..., "consts[i]" of a program)."""
-    program = getattr(op, "program", None)
-    if program is not None:
-        return [(f"consts[{i}]", c) for i, c in enumerate(program.consts)]
-    return [(n, t) for n in ("scale", "bias", "U", "V", "W") if (t := getattr(op, n, None)) is not None]
+    return op.named_tensors()
 
 
 def to_device(op: LoweredOp, device, moved: dict | None = None) -> LoweredOp:
-    """The op with its tensors on the engine's device: moved once, when a pass opens, never per step.
-
-    Store buffers are allocated there already, and must stay the same tensors (they are live);
-    `moved` maps id(tensor) to the device tensor already made for it (stores moved beforehand)."""
-    def move(t):
-        if not isinstance(t, torch.Tensor):
-            return t
-        return moved[id(t)] if moved and id(t) in moved else t.to(device)
-
-    slopes = {p: {f: move(t) for f, t in by_field.items()} for p, by_field in getattr(op, "slopes", {}).items()}
-    if isinstance(op, (GeneratedWrite, GeneratedRead)):
-        program = TokenProgram(op.program.ops, [move(c) for c in op.program.consts], op.program.output)
-        return replace(op, program=program, slopes=slopes)
-    fields = {name: move(getattr(op, name)) for name in ("scale", "bias", "U", "V", "W") if hasattr(op, name)}
-    return replace(op, **fields, **({"slopes": slopes} if isinstance(op, AffineWrite) else {}))
+    return op.to_device(device, moved)
 
 
 def op_digest(op: LoweredOp) -> bytes:
-    """Bytes that change whenever what the op does changes (its kind, positions and tensors)."""
-    h = hashlib.sha256(type(op).__name__.encode())
-    program = getattr(op, "program", None)
-    stores = getattr(op, "store_tables", {})  # a store's values change as requests run: its name counts
-    tensors = [op.positions] + ([c for i, c in enumerate(program.consts) if i not in stores] if program else
-                                [getattr(op, name, None) for name in ("scale", "bias", "U", "V", "W")])
-    if program:
-        h.update(repr([(o.op, o.args, o.shape) for o in program.ops]).encode())
-    h.update(repr((sorted(stores.items()), getattr(getattr(op, "store", None), "name", None))).encode())
-    for t in tensors:
-        if t is not None:
-            h.update(repr((t.dtype, tuple(t.shape))).encode())
-            h.update(t.detach().cpu().contiguous().numpy().tobytes())
-    return h.digest()
+    return op.digest()
 
 
 def describe(op: LoweredOp) -> str:
     """One line per lowered op: which template runs, on which tokens, with which parameters."""
-    where = "every position" if op.positions is None else f"positions {op.positions.nonzero().flatten().tolist()}"
-    if isinstance(op, AffineWrite):
-        changed = int((op.scale != 1).sum())
-        bias = "per-token bias table" if op.per_token_bias else ("bias" if bool(op.bias.any()) else "no bias")
-        return (f"affine_write (parametric) at {where}: scale changes {changed} of {op.scale.numel()} features, "
-                f"low rank {op.U.shape[1]}, {bias}")
-    if isinstance(op, GeneratedWrite):
-        return f"generated kernel (write) at {where}: {len(op.program.ops)} ops [{', '.join(o.op for o in op.program.ops)}]"
-    sink = f"store {op.store.name!r}" if op.store is not None else "the host"
-    if isinstance(op, Read):
-        template = "gather_rows" if op.W is None else f"project_read W{list(op.W.shape)}"
-        return f"{template} (parametric) at {where} -> {sink}, value {list(op.feature_shape)} per token"
-    ops = ", ".join(o.op for o in op.program.ops)
-    return f"generated kernel (read -> {sink}) at {where}: {len(op.program.ops)} ops [{ops}]"
+    return op.describe()

@@ -1,81 +1,69 @@
 """HookedServedModel: TransformerLens's HookedTransformer API over an in-process vLLM engine.
 
-One forward pass (`run_with_hooks`, `run_with_cache`, `model(...)`) is:
-  1. tokens, with TransformerLens's rules; each row's real tokens and its padding offset;
-  2. every hook function traced once on a proxy of its act (trace.py) and lowered (lower.py);
-  3. one engine pass: the rows are submitted as vLLM requests, the site runtime runs the lowered
-     ops at the armed sites while vLLM computes, reads come back per (row, position);
-  4. logits from the final-norm output times the unembedding, reads swapped into the tensors the
-     hook functions kept.
+This module is the TransformerLens surface and nothing else: tokens with TransformerLens's rules,
+the forward variants, generate, weights and modules (from TransformerLens's own model on the same
+weights: tl_surface.py). The hook bookkeeping is TransformerLens's HookedRootModule's
+(hooked_root.py); a call's rows and hooks go to the planner (planner.py), which traces, lowers and
+runs them in the engine (backend/engine.py's contract); apps go in and out through the installer
+(installer.py).
 """
-import contextlib
-import dataclasses
 import functools
 import os
-import threading
-import warnings
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
 
-from . import app_config, attention_points, computed_points, hook_points, stores, tl_surface, verbosity
-from .app import App, AppRegistry, AppRun, RowGroup, attached, group_rows, merged, resident_reads, snapshot
+from . import app_config, families, hook_points, tl_surface, verbosity
+from .app import App, AppRegistry
 from .hook_points import HookPoint
-from .lower import lower
-from .lowered import (RESIDENT_TRACE_LEN, AffineWrite, GeneratedRead, GeneratedWrite, Read, ResidentRead, describe,
-                      named_tensors, resident_form)
+from .hooked_root import HookedRoot, HookSpec, one_call_at_a_time
+from .installer import Installer
+from .lowered import describe
 from .model_files import resolve_model
-from .passes import PassPlan, PhaseOps
-from .trace import TraceError, Tracer, as_parameters, hook_that_raised, traced_once_for
+from .planner import Planner, Rows, token_ids
 
-HookFn = Callable[..., torch.Tensor | None]
-HookSpec = tuple[str | Callable[[str], bool], HookFn]
-_FINAL = "unembed.hook_in"  # the final norm's output, read for the logits
-_UNEMBED_OUT = "unembed.hook_out"
-_LOGITS_KEY = ("logits", 0)
-
-
-def one_call_at_a_time(method: Callable) -> Callable:
-    """Calls of one model from several threads run one after another (a notebook's widgets, a web
-    demo, an evaluation script's workers): the hooks a call adds to the hook points are its own
-    until it returns, and vLLM's in-process engine is driven by one caller at a time."""
-    @functools.wraps(method)
-    def serialized(self, *args, **kwargs):
-        with self.lock:
-            return method(self, *args, **kwargs)
-
-    return serialized
-
-
-_FAMILIES = {"LlamaForCausalLM": "llama", "GPT2LMHeadModel": "gpt2"}
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
 
 
-class HookedServedModel:
+class HookedServedModel(HookedRoot):
     """A vLLM-served model with TransformerLens hooks. Build it with `from_pretrained`."""
 
     def __init__(self, model_dir, cfg, tokenizer):
         # from_pretrained makes the model before its engine: installed apps are traced first.
         # cfg: TransformerLens's TransformerBridgeConfig, plus `family` (tl_surface.bridge_config)
-        self.model_dir, self.cfg, self.tokenizer = model_dir, cfg, tokenizer
-        self.engine = None  # backend/vllm/engine.py's VllmEngine
+        super().__init__(hook_points.make_hook_dict(cfg.family, cfg.n_layers), cfg)
+        self.model_dir, self.tokenizer = model_dir, tokenizer
         self._tl = None  # TransformerLens's model on the same weights, booted on first use (the `tl` property)
         self._tl_hooks = tl_surface.HookMirror()  # our hooks on it, for calls that run there
-        self.hook_dict: dict[str, HookPoint] = hook_points.make_hook_dict(cfg.family, cfg.n_layers)
-        self.mod_dict = self.hook_dict
         # per hook point, the per-token feature shape of its act ((d_model,), (n_heads, d_head), ...)
         # (computed points are not sites of the engine: computed_points.py)
-        self.feature_shapes = {name: hook_points.feature_shape(name, cfg) for name in self.hook_dict
-                               if not hook_points.is_computed(name)}
+        feature_shapes = {name: hook_points.feature_shape(name, cfg) for name in self.hook_dict
+                          if not hook_points.is_computed(name)}
         self.app_registry = AppRegistry()  # installed apps and the default selection
-        # one call at a time: a call's hooks sit on the shared hook points while it traces, and
-        # vLLM's in-process engine serves one caller (see one_call_at_a_time)
-        self.lock = threading.RLock()
-        self.on_nonfinite = "raise"  # when hooks write NaN or inf: "raise", "warn" or "ignore"
+        self.planner = Planner(self, feature_shapes, self.app_registry, lambda L: self.tl.blocks[L],
+                               tokenizer.pad_token_id)
+        self.installer = Installer(self.planner, model_dir, self)
         self.processing = {flag: False for flag in tl_surface.PROCESSING_FLAGS}  # from_pretrained's flags
+
+    @property
+    def engine(self):
+        """The engine serving this model (backend/engine.py's contract); None until from_pretrained builds it."""
+        return self.planner.engine
+
+    @property
+    def feature_shapes(self) -> dict:
+        return self.planner.feature_shapes
+
+    @property
+    def on_nonfinite(self) -> str:
+        """When hooks write NaN or inf: "raise" (NonFiniteError), "warn" or "ignore"."""
+        return self.planner.on_nonfinite
+
+    @on_nonfinite.setter
+    def on_nonfinite(self, value: str) -> None:
+        self.planner.on_nonfinite = value
 
     # --- construction ---------------------------------------------------------------------------
     @classmethod
@@ -122,9 +110,7 @@ class HookedServedModel:
         model_dir = tl_surface.processed_folder(resolve_model(name_or_path), processing)
         hf = AutoConfig.from_pretrained(model_dir)
         arch = (hf.architectures or ["?"])[0]
-        if arch not in _FAMILIES:
-            raise ValueError(f"architecture {arch} is not supported yet; supported: {sorted(_FAMILIES)}")
-        family = _FAMILIES[arch]
+        family = families.family_of_architecture(arch).name
         tokenizer = tl_surface.load_tokenizer(model_dir)
         cfg = tl_surface.bridge_config(hf, str(name_or_path), torch_dtype, tokenizer, family)
 
@@ -134,7 +120,7 @@ class HookedServedModel:
         configured = app_config.read(config, model_dir) if config is not None else []
         # lowered now, resident while the engine builds its model: before CUDA-graph capture
         resident = [(spec.name, ops, app_config.declared(spec)) for spec, ops in configured]
-        resident += [(app.name, model._lower_app(app.name, app.fwd_hooks, getattr(app, "params", None)).ops, {})
+        resident += [(app.name, model.planner.lower_app(app.name, app.fwd_hooks, getattr(app, "params", None)).ops, {})
                      for app in apps]
         if verbosity.verbosity() == "quiet":
             engine_kwargs.setdefault("use_tqdm_on_load", False)  # vLLM's weight-loading bar
@@ -142,10 +128,10 @@ class HookedServedModel:
         in_process_cpu = not torch.cuda.is_available() and engine_kwargs.get("tensor_parallel_size", 1) == 1
         with verbosity.native_stderr_filtered(in_process_cpu), \
                 verbosity.StartupProgress(Path(str(name_or_path)).name, compiled=not enforce_eager):
-            model.engine = VllmEngine.build(model_dir, torch_dtype, cfg.n_heads,
-                                            max_model_len or min(cfg.n_ctx, 2048), enforce_eager, armed_names,
-                                            resident, cfg.d_vocab, **engine_kwargs)
-        model._install_configured(configured)
+            model.planner.engine = VllmEngine.build(model_dir, torch_dtype, cfg.n_heads,
+                                                    max_model_len or min(cfg.n_ctx, 2048), enforce_eager,
+                                                    armed_names, resident, cfg.d_vocab, **engine_kwargs)
+        model.installer.install_configured(configured)
         cfg.device = tl_surface.tl_device(model.engine.device)
         for app in apps:  # xmix_lens.App objects join the model's registry too (selectable by apps=)
             if isinstance(app, App):
@@ -350,22 +336,16 @@ class HookedServedModel:
         residual = self.forward(tokens, attention_mask=attention_mask, stop_at_layer=0)
         return residual, tokens, None, attention_mask
 
-    def _rows(self, input, prepend_bos, padding_side, attention_mask):
+    def _rows(self, input, prepend_bos, padding_side, attention_mask) -> Rows:
         """Tokens [B, P] and, per row, its real tokens and their offset in the padded layout."""
         _padding_side(padding_side)
         if input is None or isinstance(input, str) or (isinstance(input, (list, tuple)) and (
                 not input or any(isinstance(s, str) for s in input))):
             tokens, mask = self._tokenize(input, prepend_bos, padding_side)  # refuses None, [] and mixed lists
         elif isinstance(input, list) and all(isinstance(r, list) for r in input):
-            # token-id lists of different lengths: each row's tokens are all real, right-padded
-            width = max(len(r) for r in input)
-            tokens = torch.full((len(input), width), self.tokenizer.pad_token_id, dtype=torch.long)
-            mask = torch.zeros(len(input), width, dtype=torch.long)
-            for i, r in enumerate(input):
-                if r:
-                    tokens[i, : len(r)], mask[i, : len(r)] = _token_ids(torch.as_tensor(r)), 1
+            return Rows.of_lists(input, self.tokenizer.pad_token_id, self.cfg.d_vocab)
         else:
-            tokens = _token_ids(torch.as_tensor(input))
+            tokens = token_ids(torch.as_tensor(input))
             tokens = tokens[None] if tokens.dim() == 1 else tokens
             # TransformerLens treats every token of a tensor as real unless a mask is passed
             mask = torch.ones_like(tokens)
@@ -376,86 +356,15 @@ class HookedServedModel:
                     raise ValueError(f"attention_mask has shape {list(given.shape)}, but the tokens are "
                                      f"{list(tokens.shape)}: pass a mask of the tokens' shape [batch, pos], 1 at real "
                                      f"tokens and 0 at padding (or no mask: every token is real)")
-        if tokens.dim() != 2 or tokens.shape[1] == 0:
-            raise ValueError(f"tokens must be [batch, pos] with pos >= 1, got {list(tokens.shape)}")
-        if int(tokens.max()) >= self.cfg.d_vocab or int(tokens.min()) < 0:
-            raise ValueError(f"token ids must lie in [0, {self.cfg.d_vocab}); got {int(tokens.min())}..{int(tokens.max())}")
-        # whole-batch tensor ops, not a loop of them per row (1,000 rows: 21 ms of host time, docs/benchmarks.md)
-        real = mask != 0
-        starts = real & ~torch.nn.functional.pad(real, (1, 0))[:, :-1]  # a real token after padding, or first
-        bad = (starts.sum(1) != 1).nonzero().flatten()
-        if bad.numel():
-            raise ValueError(f"row {int(bad[0])}: the attention mask must mark one contiguous run of real tokens")
-        offsets = starts.int().argmax(1).tolist()
-        lengths = real.sum(1).tolist()
-        rows = [row[o: o + n] for row, o, n in zip(tokens.tolist(), offsets, lengths)]
-        return tokens, mask, rows, offsets
+        return Rows.of(tokens, mask, self.cfg.d_vocab)
 
-    # --- hooks (TransformerLens's HookedRootModule bookkeeping) ---------------------------------
-    context_level = 0  # how many hooks() blocks are open: the level their hooks are added at
-
-    @one_call_at_a_time
-    def add_hook(self, name, hook: HookFn, dir: str = "fwd", is_permanent: bool = False, level: int | None = None,
-                 prepend: bool = False) -> None:
-        for n in hook_points.resolve(self.hook_dict, name, self.cfg):
-            self.hook_dict[n].add_hook(hook, dir=dir, is_permanent=is_permanent, level=level, prepend=prepend)
-
-    def add_perma_hook(self, name, hook: HookFn, dir: str = "fwd") -> None:
-        self.add_hook(name, hook, dir=dir, is_permanent=True)
-
+    # --- hooks: TransformerLens's HookedRootModule's (hooked_root.py), mirrored on model.tl -------
     @one_call_at_a_time
     def remove_all_hook_fns(self, direction: str = "both", including_permanent: bool = False,
                             level: int | None = None) -> None:
-        for hp in self.hook_dict.values():
-            hp.remove_hooks(direction, including_permanent=including_permanent, level=level)
+        super().remove_all_hook_fns(direction, including_permanent, level)
         if self._tl_hooks.added:  # model.tl keeps what the last call there added until now: the same hooks as ours
             self._tl_hooks.sync(self.tl, self.hook_dict, self.cfg)
-
-    @one_call_at_a_time
-    def reset_hooks(self, clear_contexts: bool = True, direction: str = "both", including_permanent: bool = False,
-                    level: int | None = None) -> None:
-        if clear_contexts:
-            for hp in self.hook_dict.values():
-                hp.clear_context()
-        self.remove_all_hook_fns(direction, including_permanent, level)
-
-    def _check_hooks(self, fwd_hooks: Iterable[HookSpec], bwd_hooks=()) -> list[tuple[str, HookFn]]:
-        """The forward hooks, by hook point; the backward hooks are checked too (see `hooks`)."""
-        self._resolve_specs(bwd_hooks, "bwd_hook")
-        return self._resolve_specs(fwd_hooks, "fwd_hook")
-
-    def _resolve_specs(self, specs: Iterable[HookSpec], kind: str) -> list[tuple[str, HookFn]]:
-        resolved = []
-        for spec in specs:
-            if not (isinstance(spec, tuple) and len(spec) == 2 and callable(spec[1])):
-                raise ValueError(f"each {kind} is (name or filter, function); got {spec!r}")
-            resolved += [(n, spec[1]) for n in hook_points.resolve(self.hook_dict, spec[0], self.cfg)]
-        return resolved
-
-    def _has_backward_hooks(self) -> bool:
-        return any(hp.bwd_hooks for hp in self.hook_dict.values())
-
-    @contextlib.contextmanager
-    def hooks(self, fwd_hooks: Iterable[HookSpec] = (), bwd_hooks=(), reset_hooks_end: bool = True,
-              clear_contexts: bool = False):
-        """Hooks added for the duration of the block, at the block's context level (TransformerLens's
-        rule): on exit, also when the block raises, reset_hooks_end removes the non-permanent hooks of
-        that level (and clear_contexts every hook point's ctx). Other threads' calls wait until the
-        block ends (its hooks are on the shared hook points)."""
-        with self.lock:
-            resolved = self._check_hooks(fwd_hooks, bwd_hooks)
-            backward = self._resolve_specs(bwd_hooks, "bwd_hook")
-            self.context_level += 1
-            try:
-                for name, fn in resolved:
-                    self.hook_dict[name].add_hook(fn, level=self.context_level)
-                for name, fn in backward:  # they make the block's calls run in model.tl (see forward)
-                    self.hook_dict[name].add_hook(fn, dir="bwd", level=self.context_level)
-                yield self
-            finally:
-                if reset_hooks_end:
-                    self.reset_hooks(clear_contexts, including_permanent=False, level=self.context_level)
-                self.context_level -= 1
 
     # --- forward passes ---------------------------------------------------------------------------
     def __call__(self, input, return_type: str | None = "logits", **kwargs):
@@ -521,7 +430,7 @@ class HookedServedModel:
             raise ValueError(f"shortformer_pos_embed: this model adds no positional embedding at each attention "
                              f"layer ({self.cfg.positional_embedding_type} positions); pass None, as input_to_embed "
                              f"returns it")
-        if self._has_backward_hooks():
+        if self.has_backward_hooks():
             return self._forward_in_tl(input, apps, return_type=return_type, prepend_bos=prepend_bos,
                                        padding_side=padding_side, attention_mask=attention_mask,
                                        loss_per_token=loss_per_token, start_at_layer=start_at_layer,
@@ -531,8 +440,9 @@ class HookedServedModel:
                                                 prepend_bos=prepend_bos, padding_side=padding_side,
                                                 attention_mask=attention_mask, loss_per_token=loss_per_token,
                                                 apps=apps)
-        call = self._forward_call(input, return_type, prepend_bos, padding_side, attention_mask, loss_per_token, apps)
-        return call.finish(self._run(call.plans))
+        call = self.planner.forward_call(self._rows(input, prepend_bos, padding_side, attention_mask), return_type,
+                                         loss_per_token, apps)
+        return call.finish(self.planner.run(call.plans))
 
     def _forward_in_tl(self, input, apps, **kwargs):
         """The gradient path (see forward): the hook points' hooks put on model.tl, then its forward."""
@@ -584,21 +494,17 @@ class HookedServedModel:
         def keep_residual(act, hook):
             kept["residual"] = act.detach()
 
-        silenced = {name: self.hook_dict[name].fwd_hooks for name in names[:first] + names[end:]}
         added = []
         try:
-            for name in silenced:
-                self.hook_dict[name].fwd_hooks = []
             if first:
                 added.append((names[first], self.hook_dict[names[first]].add_hook(write_residual, prepend=True)))
             if keep_at is not None:
                 added.append((keep_at, self.hook_dict[keep_at].add_hook(keep_residual)))
-            result = self.forward(input, return_type=return_type, **kwargs)
+            with self.silenced(names[:first] + names[end:]):
+                result = self.forward(input, return_type=return_type, **kwargs)
         finally:
             for name, handle in added:
                 self.hook_dict[name].fwd_hooks.remove(handle)
-            for name, hooks in silenced.items():
-                self.hook_dict[name].fwd_hooks = hooks
         return kept["residual"] if kept else result
 
     @one_call_at_a_time
@@ -615,7 +521,7 @@ class HookedServedModel:
             input, fwd_hooks, *apps = request
             with self.hooks(fwd_hooks):
                 calls.append(self._forward_call(input, return_type, apps=apps[0] if apps else None, **kwargs))
-        outcomes = self._run([plan for call in calls for plan in call.plans])
+        outcomes = self.planner.run([plan for call in calls for plan in call.plans])
         results, at = [], 0
         for call in calls:
             results.append(call.finish(outcomes[at: at + len(call.plans)]))
@@ -623,66 +529,9 @@ class HookedServedModel:
         return results
 
     def _forward_call(self, input, return_type, prepend_bos=None, padding_side=None, attention_mask=None,
-                      loss_per_token=False, apps=None) -> "_Call":
-        """The passes of one forward call and how their outcomes become its result. Everything is
-        checked and traced here, before anything runs: one pass without apps, else one pass per
-        group of rows that select the same apps."""
-        if return_type not in ("logits", "loss", "both", None):
-            raise ValueError(f"return_type {return_type!r}: use 'logits', 'loss', 'both' or None")
-        tokens, mask, rows, offsets = self._rows(input, prepend_bos, padding_side, attention_mask)
-        self._check_length(max(len(r) for r in rows))
-        selection = self.app_registry.selection(apps, len(rows))
-        self._sync_resident(selection)
-        groups = self._groups(selection, len(rows))
-        computed = self._computed_hooks()
-        source_reads: dict[str, torch.Tensor] = {}
-        if computed and len(groups) > 1:
-            raise ValueError(f"hooks on {list(computed)} need one pass for the call; these rows select different "
-                             f"apps: use run_batch with one (input, fwd_hooks, apps) entry per app subset")
-        plans = []
-        for g in groups:
-            traced = self._traced_apps(g)
-            with attached(self.hook_dict, traced), self.hooks(self._source_reads(computed, source_reads)):
-                # the whole batch's padded width, so that every group's logits and reads line up
-                prompt = self._trace_hooks(len(g.rows), tokens.shape[1])
-            if return_type is not None or _UNEMBED_OUT in computed:
-                prompt.ops.setdefault(_FINAL, []).append(Read(_LOGITS_KEY, None, True, None, None, (self.cfg.d_model,)))
-            g.outputs = snapshot(traced)
-            plans.append(self._plan(g, rows, offsets, prompt))
-
-        def finish(outcomes: list) -> object:
-            if computed:
-                outcomes = self._fire_computed(computed, source_reads, plans, outcomes, offsets,
-                                               [len(r) for r in rows], tokens.shape[1])
-            logits = nll = None
-            hooked_logits = _UNEMBED_OUT in computed  # hooks change the logits, on the host, before any loss
-            want_logits = return_type in ("logits", "both") or hooked_logits
-            want_nll = return_type in ("loss", "both") and not hooked_logits
-            if want_logits or want_nll:
-                logits = torch.empty(tokens.shape + (self.cfg.d_vocab,)) if want_logits else None
-                nll = torch.empty(tokens.shape[0], tokens.shape[1] - 1) if want_nll else None
-                for g, outcome in zip(groups, outcomes):
-                    g_logits, g_nll = self.engine.unembed(outcome.results.result(_LOGITS_KEY),
-                                                          tokens[g.rows, 1:] if want_nll else None, want_logits)
-                    if want_logits:
-                        logits[g.rows] = g_logits
-                    if want_nll:
-                        nll[g.rows] = g_nll
-            if hooked_logits:  # the logits are the call's result: changed here, on the host
-                logits = self._call_hooks(_UNEMBED_OUT, computed[_UNEMBED_OUT], logits)
-            result = logits if return_type is not None else None
-            if return_type in ("loss", "both"):
-                nll = _next_token_nll(logits, tokens) if nll is None else nll
-                loss = _masked_loss(nll, mask, loss_per_token)
-                result = loss if return_type == "loss" else (logits, loss)
-            if selection is None:
-                return result
-            for g, outcome in zip(groups, outcomes):
-                g.outputs.update(resident_reads(self.app_registry, g, outcome.results.app_results,
-                                                [offsets[i] for i in g.rows], tokens.shape[1], self.cfg.dtype)[0])
-            return AppRun(result, merged(groups, len(rows), "outputs"), {}, selection)
-
-        return _Call(plans, finish)
+                      loss_per_token=False, apps=None):
+        return self.planner.forward_call(self._rows(input, prepend_bos, padding_side, attention_mask), return_type,
+                                         loss_per_token, apps)
 
     @one_call_at_a_time
     def generate(self, input, max_new_tokens: int = 10, stop_at_eos: bool = True, eos_token_id: int | None = None,
@@ -705,43 +554,12 @@ class HookedServedModel:
             raise ValueError(f"return_type {return_type!r}: use 'input', 'str' or 'tokens'")
         if max_new_tokens < 1:
             raise ValueError("max_new_tokens must be at least 1")
-        tokens, _, rows, offsets = self._rows(input, prepend_bos, padding_side, None)
-        self._check_length(max(len(r) for r in rows) + max_new_tokens)
+        rows = self._rows(input, prepend_bos, padding_side, None)
         sampling = sampling_settings(do_sample, top_k, top_p, temperature, seed, stop_at_eos, eos_token_id)
-        selection = self.app_registry.selection(apps, len(rows))
-        self._sync_resident(selection)
-        B, P = tokens.shape
         with self.hooks(fwd_hooks):
-            computed = self._computed_hooks()  # fired after generation, on the generated tokens (see below)
-            groups = self._groups(selection, B)
-            plans = []
-            for g in groups:
-                traced = self._traced_apps(g)
-                with attached(self.hook_dict, traced):
-                    prompt = self._trace_hooks(len(g.rows), P)
-                    g.outputs = snapshot(traced)
-                    decode = self._trace_hooks(len(g.rows), 1, inherited=prompt.per_request_stores, phase="decode")
-                    g.generated_outputs = snapshot(traced)
-                plans.append(self._plan(g, rows, offsets, prompt, decode, max_new_tokens, sampling))
-        if computed and (selection or _writing(plans)):
-            why = "apps are selected" if selection else f"hooks write at {sorted(_writing(plans))}"
-            raise ValueError(f"hooks on {list(computed)} fire in generate only when nothing else changes the pass "
-                             f"(they are computed after it, from a pass over the generated tokens), but {why}: "
-                             f"use run_with_hooks on the generated tokens")
-        full: list = [None] * B
-        for g, plan, outcome in zip(groups, plans, self._run(plans, progress="generate" if verbose else None)):
-            for row, new in zip(g.rows, outcome.tokens):
-                full[row] = rows[row] + list(new)
-            prompt_reads, newest_reads = resident_reads(self.app_registry, g, outcome.results.app_results,
-                                                        plan.offsets, P, self.cfg.dtype, [len(r) for r in plan.rows])
-            g.outputs.update(prompt_reads)
-            g.generated_outputs.update(newest_reads)
-        if computed:
-            self._fire_computed_in_generated(computed, rows, full)
+            full, run = self.planner.generate(rows, max_new_tokens, sampling, apps, "generate" if verbose else None)
         result = self._format_generated(input, full, return_type)
-        if selection is None:
-            return result
-        return AppRun(result, merged(groups, B, "outputs"), merged(groups, B, "generated_outputs"), selection)
+        return result if run is None else run._replace(result=result)
 
     def _format_generated(self, input, full: list[list[int]], return_type: str):
         """Text for text input (or return_type "str"), else padded token rows. Text is decoded
@@ -755,12 +573,6 @@ class HookedServedModel:
             out[i, : len(t)] = torch.tensor(t)
         return out
 
-    def _check_length(self, n: int) -> None:
-        limit = self.engine.max_model_len
-        if n > limit:
-            raise ValueError(f"a request needs {n} positions; this engine's max_model_len is {limit} "
-                             f"(from_pretrained(max_model_len=...))")
-
     @one_call_at_a_time
     def explain(self, input="Hello world", fwd_hooks: Iterable[HookSpec] | None = None) -> str:
         """What the hooks (given, or those added to hook points) become: their IR and lowered ops.
@@ -768,7 +580,7 @@ class HookedServedModel:
         Tracing needs the pass's shape, so it is traced for `input` (nothing runs in the engine)."""
         tokens, _, _, _ = self._rows(input, None, None, None)
         with self.hooks(fwd_hooks or []):
-            traced = self._trace_hooks(*tokens.shape)
+            traced = self.planner.trace_hooks(*tokens.shape)
         lines = []
         for graph in traced.graphs:
             lines += [str(graph), "  lowered to:"]
@@ -798,231 +610,11 @@ class HookedServedModel:
         """TransformerLens's switch for hook_mlp_in, the residual the MLP branch reads."""
         self.cfg.use_hook_mlp_in = use_hook_mlp_in
 
-    def _computed_hooks(self) -> dict[str, list[HookFn]]:
-        """Hooks on computed points, by name, in firing order (a point whose switch is off never fires)."""
-        return {name: [h.hook for h in hp.fwd_hooks] for name, hp in self.hook_dict.items()
-                if hp.fwd_hooks and hook_points.is_computed(name) and
-                (hook_points.switch_of(name) is None or getattr(self.cfg, hook_points.switch_of(name)))}
-
-    def _source_reads(self, computed: dict, reads: dict) -> list[tuple[str, HookFn]]:
-        """Hooks that keep, into `reads`, each engine hook point the computed points are computed from,
-        after the user's hooks there (what the model used)."""
-        def keep(act, hook):
-            reads[hook.name] = act.detach()
-
-        names = {f"blocks.{self.hook_dict[name].layer()}.{source}" for name in computed if name.startswith("blocks.")
-                 for source in computed_points.sources(name.split(".", 2)[2], self.cfg.family)}
-        return [(name, keep) for name in self.hook_dict if name in names]
-
-    def _fire_computed(self, computed: dict, reads: dict, plans: list[PassPlan], outcomes: list,
-                       offsets: list[int], lengths: list[int], P: int) -> list:
-        """Call the hooks on the computed points of the blocks, in firing order, on the values the pass's
-        reads give. After a hook changes one, the pass runs again with what the change implies written
-        at engine hook points (computed_points.targets), so that later points see it. Returns the
-        outcomes of the last pass."""
-        mask = attention_points.allowed(offsets, lengths, P)
-        blocks: dict[int, computed_points.Block] = {}
-        writes: dict[str, torch.Tensor] = {}
-        for name in self.hook_dict:
-            L = self.hook_dict[name].layer() if name.startswith("blocks.") else None
-            point = name.split(".", 2)[-1]
-            scores_hooked = point == "attn.hook_pattern" and f"blocks.{L}.attn.hook_attn_scores" in computed
-            if L is None or not (name in computed or scores_hooked):
-                continue
-            if L not in blocks:  # its reads are refreshed in place by each further pass (_run(again=True))
-                blocks[L] = self._block(L, reads, mask)
-            block = blocks[L]
-            act, used = computed_points.value(point, block)
-            act = self._call_hooks(name, computed.get(name, []), act.clone())
-            computed_points.hooked(point, block, act)
-            if torch.equal(act, used):
-                continue
-            writes.update({f"blocks.{L}.{target}": value.to(self.cfg.dtype)
-                           for target, value in computed_points.targets(point, block, act).items()})
-            outcomes = self._run([self._with_writes(plan, writes) for plan in plans], again=True)  # refreshes `reads`
-        return outcomes
-
-    def _block(self, L: int, reads: dict[str, torch.Tensor], mask: torch.Tensor) -> computed_points.Block:
-        """What computing block L's points needs: its reads (block-relative names), its weights (model.tl,
-        booted only if a write needs them), the config and the attention mask."""
-        own = {n.split(".", 2)[2]: act for n, act in reads.items() if n.startswith(f"blocks.{L}.")}
-        return computed_points.Block(own, lambda: self.tl.blocks[L], self.cfg, mask)
-
-    def _call_hooks(self, name: str, fns: list[HookFn], act: torch.Tensor) -> torch.Tensor:
-        """A computed point's hook functions, called on its value as TransformerLens calls them (a
-        returned tensor replaces the act)."""
-        for fn in fns:
-            out = fn(act, hook=self.hook_dict[name])
-            act = act if out is None else out
-        return act
-
-    def _fire_computed_in_generated(self, computed: dict, prompts: list[list[int]], full: list[list[int]]) -> None:
-        """The hooks on computed points in generate, as HookedTransformer's generate (with its KV cache)
-        calls them: once on the prompt (act [batch, ..., P, ...], attention [batch, head, P, P]), then
-        once per generated token fed back (act [batch, ..., 1, ...], attention [batch, head, 1, keys so
-        far]). They are computed from one pass over the prompts and generated tokens, left-padded as
-        TransformerLens's generate pads (rows that stopped early continue with padding tokens, as
-        there); only reads are allowed (generate checked that nothing writes)."""
-        P, steps = max(len(r) for r in prompts), max(len(f) - len(r) for f, r in zip(full, prompts)) - 1
-        pad = self.tokenizer.pad_token_id
-        tokens = torch.full((len(full), P + steps), pad, dtype=torch.long)
-        mask = torch.zeros_like(tokens)
-        for b, (row, prompt) in enumerate(zip(full, prompts)):
-            seq = (row[: len(prompt) + steps] + [pad] * steps)[: len(prompt) + steps]
-            tokens[b, P - len(prompt):], mask[b, P - len(prompt):] = torch.tensor(seq), 1
-        reads: dict[str, torch.Tensor] = {}
-        silenced = {name: hp.fwd_hooks for name, hp in self.hook_dict.items()}
-        try:
-            for hp in self.hook_dict.values():
-                hp.fwd_hooks = []
-            with self.hooks(self._source_reads(computed, reads)):
-                call = self._forward_call(tokens, "logits" if _UNEMBED_OUT in computed else None, attention_mask=mask)
-                logits = call.finish(self._run(call.plans))
-        finally:
-            for name, hooks in silenced.items():
-                self.hook_dict[name].fwd_hooks = hooks
-        offsets = [P - len(r) for r in prompts]
-        allowed = attention_points.allowed(offsets, [len(r) + steps for r in prompts], P + steps)
-        values, blocks = {}, {}
-        for name in computed:
-            if name == _UNEMBED_OUT:
-                values[name] = logits
-                continue
-            L, point = self.hook_dict[name].layer(), name.split(".", 2)[2]
-            if L not in blocks:
-                blocks[L] = self._block(L, reads, allowed)
-            values[name] = computed_points.value(point, blocks[L])[0]
-        for start, stop in [(0, P)] + [(P + j, P + j + 1) for j in range(steps)]:
-            for name, fns in computed.items():
-                queries_by_keys = name.endswith(("attn.hook_attn_scores", "attn.hook_pattern"))
-                act = values[name][:, :, start:stop, :stop] if queries_by_keys else values[name][:, start:stop]
-                if not torch.equal(self._call_hooks(name, fns, act.clone()), act):
-                    raise NotImplementedError(f"a hook on {name} changed it in generate: writes to computed hook "
-                                              f"points run in forward passes (run_with_hooks), where a further pass "
-                                              f"applies them; generate computes them after generating")
-
-    def _with_writes(self, plan: PassPlan, writes: dict[str, torch.Tensor]) -> PassPlan:
-        """The plan with `writes` (hook point -> [batch, pos, ...] value) written at those hook points
-        before the ops already there."""
-        def writer(value):
-            def write(act, hook):
-                act[:] = value
-                return act
-            return write
-
-        extra = self._trace_hooks(len(plan.rows), plan.prompt.padded_len,
-                                  hooks={name: [writer(value)] for name, value in writes.items()},
-                                  phase="computed writes")
-        ops = dict(plan.prompt.ops)
-        for name, written in extra.ops.items():
-            ops[name] = written + ops.get(name, [])
-        return dataclasses.replace(plan, prompt=dataclasses.replace(plan.prompt, ops=ops))
-
-    # --- tracing and running passes -----------------------------------------------------------------
-    def _trace_hooks(self, B: int, P: int, inherited=None, phase: str = "prefill",
-                     hooks: dict[str, list[HookFn]] | None = None, params: dict | None = None) -> PhaseOps:
-        """Trace every hook function once for this view of the pass, in firing order, then lower
-        each hook point. `inherited`: the prompt's per-request stores, seen by generated tokens.
-        `hooks`: hook point -> functions; by default those on the hook points. `params`: the values
-        of app parameters traced as graph inputs (trace.as_parameters)."""
-        if hooks is None:
-            hooks = {name: [h.hook for h in hp.fwd_hooks] for name, hp in self.hook_dict.items()}
-        session = stores.TraceSession(B, P, inherited=dict(inherited or {}))
-        tracers, kept = [], []
-        for name, hp in self.hook_dict.items():
-            if hooks.get(name) and not hook_points.is_computed(name):  # computed ones fire after the pass
-                tracer = Tracer(name, (B, P) + self.feature_shapes[name], self.cfg.dtype, session, phase)
-                for fn in list(hooks[name]):
-                    tracer.call(fn, hp)
-                kept += [((phase, name, key), p) for key, p in enumerate(tracer.finish())]
-                tracers.append(tracer)
-        session.allocate(self.engine.device if self.engine is not None else torch.device("cpu"))
-        ops = {t.graph.hook_name: site_ops for t in tracers if (site_ops := lower(t.graph, params))}
-        return PhaseOps(P, ops, kept, [t.graph for t in tracers], session.per_request())
-
-    def _lower_app(self, name: str, fwd_hooks: Iterable[HookSpec], params: dict | None = None) -> PhaseOps:
-        """An installed app's hooks, traced for a pass of RESIDENT_TRACE_LEN positions (they run on
-        every token of the requests that select them) and lowered in the engine's resident form
-        (lowered.resident_form). Only these hooks are traced, whatever else is on the hook points. With `params` (the App's), each parameter is a named input of the
-        graphs, so that new values are lowered again from the graphs without calling the hooks."""
-        hooks: dict[str, list[HookFn]] = {}
-        for point, fn in self._check_hooks(fwd_hooks, ()):
-            if hook_points.is_computed(point):
-                raise ValueError(f"app {name!r}: {point} is computed per call from the pass's reads "
-                                 f"(xmix_lens/attention_points.py), so it cannot run inside the engine as an app; "
-                                 f"run that hook with run_with_hooks")
-            hooks.setdefault(point, []).append(fn)
-        with traced_once_for(f"app {name!r}'s every request (an installed app is traced once)"):
-            if params:
-                values = {key: value.detach().clone() for key, value in params.items()}
-                with as_parameters(params):
-                    traced = self._trace_hooks(1, RESIDENT_TRACE_LEN, hooks=hooks, params=values)
-            else:
-                traced = self._trace_hooks(1, RESIDENT_TRACE_LEN, hooks=hooks)
-        traced.ops = resident_form(traced.ops)
-        return traced
-
-    def _groups(self, selection: list[tuple[str, ...]] | None, n_rows: int) -> list[RowGroup]:
-        """One group of rows per app subset (all rows, no apps, without a selection)."""
-        groups = group_rows(selection or [()] * n_rows)
-        if len(groups) > 1 and any(hp.fwd_hooks for hp in self.hook_dict.values()):
-            # each pass traces the other hooks again: what they keep would hold only the last pass's rows
-            raise ValueError("requests of one call select different apps while other hooks are on the hook points "
-                             "(fwd_hooks, add_hook, run_with_cache); put those hooks in an App, or use run_batch with "
-                             "one (input, fwd_hooks, apps) entry per app subset")
-        return groups
-
-    def _traced_apps(self, g: RowGroup) -> list[App]:
-        """The group's apps that run as traced hooks (the others are resident in the engine)."""
-        group_apps = [self.app_registry.apps[n] for n in g.apps]
-        for app in group_apps:
-            app.outputs.clear()
-        return [app for app in group_apps if app.name not in self.app_registry.resident]
-
-    def _plan(self, g: RowGroup, rows, offsets, prompt: PhaseOps, decode: PhaseOps | None = None,
-              max_new_tokens: int = 1, sampling: dict | None = None) -> PassPlan:
-        resident = tuple(n for n in g.apps if n in self.app_registry.resident)
-        return PassPlan([rows[i] for i in g.rows], [offsets[i] for i in g.rows], prompt, decode, max_new_tokens,
-                        sampling or {}, [resident] * len(g.rows) if resident else None, g.rows)
-
-    def _run(self, plans: list[PassPlan], again: bool = False, progress: str | None = None) -> list:
-        """Run the passes in the engine; the proxies the hook functions kept become the values read
-        (for generated tokens: the last one's). `again`: the plans ran before, so what the hooks kept
-        are values already, which take this run's. `progress`: a progress bar of finished rows,
-        so described. Returns engine.PassOutcome per plan."""
-        if self.on_nonfinite not in ("raise", "warn", "ignore"):
-            raise ValueError(f"model.on_nonfinite = {self.on_nonfinite!r}; use 'raise', 'warn' or 'ignore'")
-        outcomes = self.engine.run(plans, progress)
-        for plan, outcome in zip(plans, outcomes):
-            for key, proxy in plan.prompt.kept + (plan.decode.kept if plan.decode is not None else []):
-                value = outcome.results.result(key).to(self.cfg.dtype)
-                proxy.copy_(value) if again else torch.utils.swap_tensors(proxy, value)
-        self._report_nonfinite(plans, outcomes)
-        return outcomes
-
-    def _report_nonfinite(self, plans: list[PassPlan], outcomes: list) -> None:
-        """Hooks that wrote NaN or infinite values, named with the rows of the call they hit. The
-        engine has already kept them from every other request (backend/vllm/runtime.py)."""
-        where = {}
-        for plan, outcome in zip(plans, outcomes):
-            for point, rows in outcome.results.nonfinite.items():
-                where.setdefault(point, set()).update(plan.call_rows[r] if plan.call_rows else r for r in rows)
-        if not where or self.on_nonfinite == "ignore":
-            return
-        message = ("hooks wrote NaN or infinite values: " + "; ".join(f"{point} in rows {sorted(rows)}"
-                                                                      for point, rows in where.items())
-                   + ". Other requests are unaffected (the engine's KV cache was cleared of them). Check the "
-                   "hooks for a division by zero, a log of a non-positive value or an overflow; set "
-                   "model.on_nonfinite = 'warn' (or 'ignore') to get the results anyway")
-        if self.on_nonfinite == "raise":
-            raise NonFiniteError(message)
-        warnings.warn(message, RuntimeWarning, stacklevel=4)
-
-    # --- apps (xmix_lens/app.py) ---------------------------------------------------------------------
+    # --- apps (xmix_lens/app.py; installed by installer.py) -----------------------------------------
     @property
     def apps(self) -> dict[str, App]:
         """The installed apps by name, in install order."""
-        return dict(self.app_registry.apps)
+        return self.app_registry.apps
 
     @one_call_at_a_time
     def install(self, app: App) -> App:
@@ -1030,171 +622,27 @@ class HookedServedModel:
         it. Per-token apps become resident in the engine: selected per request by buffer writes,
         inside its CUDA graphs when built with them (`from_pretrained(apps=...)`); others (position
         selections, stores, per-token tables) are traced into each call's passes."""
-        if not isinstance(app, App):
-            raise TypeError(f"install takes an xmix_lens.App, got {type(app).__name__}")
-        if app.name in self.app_registry.apps:
-            raise ValueError(f"an app named {app.name!r} is already installed; uninstall it first, or change its "
-                             f"parameters with model.set_params({app.name!r}, ...)")
-        for hook_name, _ in app.fwd_hooks:
-            try:
-                hook_points.resolve(self.hook_dict, hook_name)
-            except ValueError as e:
-                raise ValueError(f"app {app.name!r}: {e}") from None
-        for key, (hook_name, dim) in app.param_sites.items():
-            (site,) = hook_points.resolve(self.hook_dict, hook_name)
-            want, shape = self.feature_shapes[site][-1], tuple(app.params[key].shape)
-            if len(shape) <= dim or shape[dim] != want:
-                raise ValueError(f"app {app.name!r}: param {key!r} has shape {list(shape)}, but {site} carries {want} "
-                                 f"features per token (act is {list(_INSTALL_TRACE_SHAPE + self.feature_shapes[site])}),"
-                                 f" so dim {dim} must be {want}; build the app from vectors of this model at this hook "
-                                 f"point")
-        self._check_traces(app)
-        self._make_resident(app)
-        self.app_registry.apps[app.name] = app
-        app.installed_in.append(self)
-        return app
-
-    def _check_traces(self, app: App) -> None:
-        """Trace the app alone, for a prompt and for generated tokens, so errors surface at install."""
-        try:
-            with attached(self.hook_dict, [app]):
-                prompt = self._trace_hooks(*_INSTALL_TRACE_SHAPE)
-                self._trace_hooks(_INSTALL_TRACE_SHAPE[0], 1, inherited=prompt.per_request_stores, phase="decode")
-        except Exception as e:
-            if (raised_by := hook_that_raised(e)) is not None:  # the user's function, not a size or the IR
-                fn, point = raised_by
-                raise ValueError(f"app {app.name!r}: its hook function {fn!r} on {point} raised "
-                                 f"{type(e).__name__}: {e} when traced at install (act "
-                                 f"{list(_INSTALL_TRACE_SHAPE + self.feature_shapes[point])}); fix the hook function "
-                                 f"(its exception and traceback are chained above)") from e
-            if not isinstance(e, (TraceError, KeyError, ValueError, RuntimeError)):
-                raise
-            sizes = {k: list(v.shape) for k, v in app.params.items()}
-            raise ValueError(f"app {app.name!r} does not trace on this model ({e}); its params have shapes {sizes}: "
-                             f"check that they match the hook points' sizes (docs/hook-points.md)") from e
-        finally:
-            app.outputs.clear()
-
-    def _make_resident(self, app: App) -> None:
-        """Install the app's ops in the engine itself when its hooks are per token and keep their
-        reads in app.outputs; otherwise it stays traced per call. An engine out of room for them
-        is an error (backend/control.py), never a silent fall-back to per-call hooks."""
-        try:
-            traced, reads = self._resident_form(app)
-        except ValueError:
-            return  # its hooks need a pass's shape (positions, stores) or keep values elsewhere: per call
-        self.engine.install_app(app.name, traced.ops)
-        reg = self.app_registry
-        reg.resident[app.name] = reads
-        reg.graphs[app.name] = traced.graphs
-        reg.lowered_versions[app.name] = app.param_versions()
+        return self.installer.install(app)
 
     @one_call_at_a_time
-    def _resident_form(self, app: App) -> tuple[PhaseOps, dict]:
-        """The app as the engine keeps it resident: its hooks lowered per token, and its reads
-        {read key: ResidentRead}. A ValueError says why it cannot be (its
-        hooks select positions, use stores or per-token tables, or keep values outside app.outputs)."""
-        try:
-            traced = self._lower_app(app.name, app.fwd_hooks, app.params)
-            names = {id(value): key for key, value in app.outputs.items()}
-        except (TraceError, NotImplementedError) as e:
-            raise ValueError(f"app {app.name!r} is not per token: {e}") from e
-        finally:
-            app.outputs.clear()
-        if any(id(proxy) not in names for _, proxy in traced.kept):
-            raise ValueError(f"app {app.name!r} keeps values elsewhere than in app.outputs (a closure, a global): "
-                             f"only a traced pass can return them; keep its reads in app.outputs[...]")
-        if (why := self.engine.why_not_resident(app.name, traced.ops)) is not None:
-            raise ValueError(why)
-        last = {op.key for ops in traced.ops.values() for op in ops
-                if isinstance(op, (Read, GeneratedRead)) and not op.keeps_pos}  # act[:, -1]: [batch, *features]
-        return traced, {key: ResidentRead(names[id(proxy)], tuple(proxy.shape[1 if key in last else 2:]), key in last)
-                        for key, proxy in traced.kept}
-
     def export(self, apps, path) -> Path:
         """Write `apps` (App objects or names of installed apps) as an app config folder that a
         server loads (`vllm serve ... --additional-config '{"xmix_lens": {"config": path}}'`) and
         `from_pretrained(..., config=path)` installs: their lowered ops and reads, no Python
         (xmix_lens/app_config.py). Only resident apps (per token) can be exported: another is refused
         with the reason."""
-        forms = []
-        for app in apps:
-            if isinstance(app, str):
-                self.app_registry.check_names([app], "export")
-                app = self.app_registry.apps[app]
-            traced, reads = self._resident_form(app)
-            self._attach_slopes(app, traced.ops)
-            params = [(name, float(app.params[name]), float(lo), float(hi))
-                      for name, (lo, hi) in app.request_params.items()]
-            forms.append((app.name, app.version, app.description, traced.ops, reads, params))
-        return app_config.write(path, self.model_dir, forms, self.cfg.dtype)
-
-    def _attach_slopes(self, app: App, ops: dict) -> None:
-        """Each request param's effect on the app's lowered ops, as slopes on them: the app lowered
-        again with the param moved by 1 and by 2 must differ from `ops` only in a write's bias or a
-        program's consts, in proportion (a request's value then sets them: control.py). A
-        ValueError names a param that changes anything else."""
-        def lowered_with(name, shift):
-            saved = app.params[name].clone()
-            try:
-                app.params[name].add_(shift)
-                return self._resident_form(app)[0].ops
-            finally:
-                app.params[name].copy_(saved)
-
-        for name in app.request_params:
-            once, twice = lowered_with(name, 1.0), lowered_with(name, 2.0)
-            for point, point_ops in ops.items():
-                for op, op1, op2 in zip(point_ops, once.get(point, []), twice.get(point, []), strict=True):
-                    for (field, t0), (_, t1), (_, t2) in zip(named_tensors(op), named_tensors(op1), named_tensors(op2),
-                                                             strict=True):
-                        slope = t1 - t0
-                        if not bool(slope.any()):
-                            continue
-                        can_change = field == "bias" if isinstance(op, AffineWrite) else field.startswith("consts[")
-                        if not can_change or not torch.allclose(t2 - t0, 2 * slope, rtol=1e-4, atol=1e-6):
-                            how = "out of proportion to its value" if can_change else "(not an added term)"
-                            raise ValueError(
-                                f"app {app.name!r}: request param {name!r} changes {field} of its op at {point} {how}; "
-                                f"a request's value can only move a write's added term or a program's constants in "
-                                f"proportion (act + {name} * v, not act * {name}); drop it from request_params")
-                        op.slopes.setdefault(name, {})[field] = slope
+        return self.installer.export(apps, path)
 
     @one_call_at_a_time
     def install_config(self, path) -> list[str]:
         """Install an app config's apps (`export`) in this running engine; their names. Built into
         the engine instead (`from_pretrained(..., config=path)`), they run inside its CUDA graphs;
         installed now, their requests' steps run without them."""
-        loaded = app_config.read(path, self.model_dir)
-        self._install_configured(loaded)
-        return [spec.name for spec, _ in loaded]
+        return self.installer.install_config(path)
 
-    def _install_configured(self, loaded: list) -> None:
-        """Apps from a config (app_config.read), resident in the engine since it was built: in the
-        registry under their names, with no hooks and no parameters (their tensors are in their ops)."""
-        reg = self.app_registry
-        for spec, ops in loaded:
-            if spec.name in reg.apps:
-                raise ValueError(f"app {spec.name!r} is in the config and in apps=; give one of them another name")
-            app = App(spec.name, version=spec.version, description=spec.description)
-            self.engine.install_app(spec.name, ops, app_config.declared(spec))
-            reg.apps[spec.name] = app
-            reg.resident[spec.name] = app_config.reads_of(spec)
-            reg.lowered_versions[spec.name], reg.graphs[spec.name] = (), []
-            reg.request_params[spec.name] = {p.name: (p.minimum, p.maximum) for p in spec.params}
-            app.installed_in.append(self)
-
+    @one_call_at_a_time
     def uninstall(self, name: str) -> App:
-        reg = self.app_registry
-        reg.check_names([name], "uninstall")
-        reg.deactivate([name])
-        if reg.resident.pop(name, None) is not None:
-            self.engine.uninstall_app(name)
-            del reg.lowered_versions[name], reg.graphs[name]
-        reg.request_params.pop(name, None)
-        app = reg.apps.pop(name)
-        app.installed_in.remove(self)
-        return app
+        return self.installer.uninstall(name)
 
     @one_call_at_a_time
     def activate(self, names, requests: Iterable[int] | None = None) -> None:
@@ -1211,48 +659,9 @@ class HookedServedModel:
         """Update an installed app's parameter tensors in place; returns its new version. All
         values are checked, and the engine's copy of a resident app updated, before the version
         changes: a refused update leaves the App, this model and the engine as they were."""
-        reg = self.app_registry
-        reg.check_names([name], "set_params")
-        app = reg.apps[name]
-        checked = app.checked_params(values)
-        old = {key: app.params[key].clone() for key in checked}
-        app.write_params(checked)
-        try:
-            if name in reg.resident:
-                self._lower_resident(app)
-        except Exception:
-            app.write_params(old)
-            if name in reg.resident:
-                reg.lowered_versions[name] = app.param_versions()
-            raise
-        app.version += 1
-        return app.version
-
-    def _lower_resident(self, app: App) -> None:
-        """The engine's copy of a resident app's tensors, lowered again from its graphs with the
-        values in app.params (the hooks are not called) and copied in place: refused, changing
-        nothing, if the new values change what its hooks do."""
-        graphs = self.app_registry.graphs[app.name]
-        ops = resident_form({g.hook_name: site_ops for g in graphs if (site_ops := lower(g, app.params))})
-        self.engine.set_app_params(app.name, ops)
-        self.app_registry.lowered_versions[app.name] = app.param_versions()
-
-    def _sync_resident(self, selection: list[tuple[str, ...]] | None) -> None:
-        """Resident apps whose params were written in place since they were lowered (app.params[k]
-        edited directly) are lowered again before this call uses them."""
-        reg = self.app_registry
-        for name in {n for names in selection or () for n in names} & set(reg.resident):
-            app = reg.apps[name]
-            if app.param_versions() != reg.lowered_versions[name]:
-                self._lower_resident(app)
-                app.version += 1
+        return self.installer.set_params(name, **values)
 
 
-class NonFiniteError(RuntimeError):
-    """Hooks wrote NaN or infinite values into a call's activations (model.on_nonfinite = "raise")."""
-
-
-_INSTALL_TRACE_SHAPE = (1, 16)  # the pass an app is traced for at install, to fail early on bad sizes
 _INPUT_FORMS = "a string, a list of strings, a list of token-id lists, or a [batch, pos] integer tensor of token ids"
 
 
@@ -1269,26 +678,10 @@ def _bad_input(input) -> Exception:
                      f"of strings, or a list of token-id lists (tokenize the strings with model.to_tokens first)")
 
 
-def _token_ids(tokens: torch.Tensor) -> torch.Tensor:
-    """Token ids as int64, refusing floats and bools (a cast would silently change them)."""
-    if tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
-        raise TypeError(f"token ids are integers, got {tokens.dtype}: pass integer ids (tokens.long() if they hold "
-                        f"whole numbers), or strings to tokenize")
-    return tokens.long()
-
-
 def _padding_side(side: str | None) -> str | None:
     if side not in (None, "left", "right"):
         raise ValueError(f"padding_side {side!r}: use 'left' or 'right' (or None: the tokenizer's side)")
     return side
-
-
-@dataclass
-class _Call:
-    """The passes of one call and the function that turns their outcomes into what it returns."""
-
-    plans: list[PassPlan]
-    finish: Callable
 
 
 # vLLM reads these (lazily) when an engine is made: the in-process engine (the model object and the
@@ -1328,27 +721,6 @@ def _in_process_environment() -> None:
 def export(apps, path, model: HookedServedModel) -> Path:
     """Write `apps` as an app config folder for `model` (HookedServedModel.export)."""
     return model.export(apps, path)
-
-
-def _writing(plans: list[PassPlan]) -> set[str]:
-    """The hook points the plans' ops write at."""
-    return {name for plan in plans for phase in (plan.prompt, plan.decode) if phase is not None
-            for name, ops in phase.ops.items() if any(isinstance(op, (AffineWrite, GeneratedWrite)) for op in ops)}
-
-
-def _next_token_nll(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """Each position's negative log-likelihood of the next token [B, P - 1] (VllmEngine.unembed
-    computes the same on the engine's device, where no hook changes the logits)."""
-    return -logits[:, :-1].log_softmax(-1).gather(-1, tokens[:, 1:, None])[..., 0]
-
-
-def _masked_loss(nll: torch.Tensor, mask: torch.Tensor, per_token: bool):
-    """TransformerLens's loss: mean negative log-likelihood of each next real token."""
-    valid = (mask[:, :-1] * mask[:, 1:]).to(nll.dtype)
-    if per_token:
-        return nll * valid
-    return (nll * valid).sum() / valid.sum()
-
 
 
 def _layer(layer: int, n_layers: int, what: str, highest: int) -> int:

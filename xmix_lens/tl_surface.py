@@ -17,6 +17,7 @@ Editing TL's weights (model.tl, model.W_U, ...) never changes what the engine se
 its own copy of the weights.
 """
 import copy
+import functools
 import hashlib
 import json
 import shutil
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from .families import ARCHITECTURES, Family
 from .hook_points import SWITCHED, HookPoint, canonical_name
 from .model_files import _build_once, cache_dir
 
@@ -51,8 +53,8 @@ def load_tokenizer(model_dir):
 def bridge_config(hf_config, model_name: str, dtype: torch.dtype, tokenizer, family: str):
     """TransformerLens's config for this model, as `TransformerBridge.boot_transformers` builds it
     (its HF-config translation, then its architecture adapter's settings, then its tokenizer
-    probe), plus `family` ("llama" / "gpt2"), the served model's own. `device` is "cpu" until the
-    engine is built (HookedServedModel.from_pretrained sets the engine's)."""
+    probe), plus `family`, the name of the served model's family (families.py). `device` is "cpu"
+    until the engine is built (HookedServedModel.from_pretrained sets the engine's)."""
     from transformer_lens.factories.architecture_adapter_factory import ArchitectureAdapterFactory
     from transformer_lens.model_bridge.sources._bridge_builder import (build_bridge_config_from_hf,
                                                                       detect_tokenizer_bos_eos)
@@ -104,9 +106,13 @@ def _save_processed(model_dir: Path, flags: dict[str, bool], folder: Path) -> No
     bridge = TransformerBridge.boot_transformers(str(model_dir), device="cpu", dtype=torch.float32)
     bridge.enable_compatibility_mode(disable_warnings=True, **flags)
     config = AutoConfig.from_pretrained(model_dir)
-    state = _hf_state(bridge, config.model_type, flags)
+    family = ARCHITECTURES.get((config.architectures or ["?"])[0])
+    if family is None:
+        raise ValueError(f"weight processing for {config.model_type} models is not supported; load without it")
+    state = _hf_state(bridge, family, flags)
     # centring the unembedding changes it alone: a tied embedding is untied
-    config.tie_word_embeddings = torch.equal(state["lm_head.weight"], state[_EMBED[config.model_type]])
+    (embedding,) = (name for name, _, *weights in family.checkpoint if weights == ["W_E"])
+    config.tie_word_embeddings = torch.equal(state["lm_head.weight"], state[embedding])
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     model.load_state_dict(state)
     probe = torch.arange(1, 9)[None]
@@ -122,52 +128,53 @@ def _save_processed(model_dir: Path, flags: dict[str, bool], folder: Path) -> No
             shutil.copy(p, folder / p.name)
 
 
-_EMBED = {"llama": "model.embed_tokens.weight", "gpt2": "transformer.wte.weight"}
+def _heads_out(W: torch.Tensor) -> torch.Tensor:
+    """[head, d_model, d_head] (W_Q, W_K, W_V) -> nn.Linear's [head * d_head, d_model]."""
+    return W.permute(0, 2, 1).reshape(-1, W.shape[1])
 
 
-def _hf_state(bridge, model_type: str, flags: dict[str, bool]) -> dict[str, torch.Tensor]:
+# How a checkpoint tensor is laid out from one TransformerLens weight (families.Family.checkpoint)
+LAYOUTS = {
+    "as_is": lambda t: t,
+    "flat": lambda t: t.reshape(-1),  # a per-head bias [head, d_head]
+    "linear": lambda W: W.T,  # TransformerLens's [d_in, d_out] -> nn.Linear's [d_out, d_in]
+    "heads_linear": _heads_out,
+    "heads_conv1d": lambda W: _heads_out(W).T,  # Conv1D's [d_model, head * d_head]
+    # W_O [head, d_head, d_model] -> Conv1D's [head * d_head, d_model], or nn.Linear's transpose
+    "out_heads_conv1d": lambda W: W.reshape(-1, W.shape[-1]),
+    "out_heads_linear": lambda W: W.reshape(-1, W.shape[-1]).T,
+}
+
+
+def _tl_weight(module, path: str):
+    """A TransformerLens weight by its path from a module ("attn.W_Q" of a block); None where it has none."""
+    *parents, name = path.split(".")
+    return getattr(functools.reduce(getattr, parents, module), name, None)
+
+
+def _hf_state(bridge, family: Family, flags: dict[str, bool]) -> dict[str, torch.Tensor]:
     """TransformerLens's (processed) weights, W_Q [layer, head, d_model, d_head] and friends, as the
-    Hugging Face model's state dict. A bias the Hugging Face model has no place for must be zero."""
+    Hugging Face model's state dict (the family's checkpoint). A bias the Hugging Face model has no
+    place for must be zero."""
     def zero_or_absent(name, t):
         if t is not None and t.detach().abs().max() > 0:
             raise ValueError(f"{', '.join(f for f, on in flags.items() if on)}: the processing gives a nonzero "
                              f"{name}, which this architecture has no place for in the served model (folding "
                              f"the final LayerNorm moves its bias into b_U); load with fold_ln=False")
 
-    def heads_out(W):  # [head, d_model, d_head] -> nn.Linear's [head * d_head, d_model]
-        return W.permute(0, 2, 1).reshape(-1, W.shape[1])
+    def laid_out(module, layout, weights):
+        tensors = [LAYOUTS[layout](_tl_weight(module, w)) for w in weights]
+        return tensors[0] if len(tensors) == 1 else torch.cat(tensors, -1)
 
     zero_or_absent("b_U", bridge.b_U)
     state = {"lm_head.weight": bridge.W_U.T}
-    if model_type == "llama":
-        state.update({"model.embed_tokens.weight": bridge.W_E, "model.norm.weight": bridge.ln_final.w})
-        for L, block in enumerate(bridge.blocks):
-            a, m, p = block.attn, block.mlp, f"model.layers.{L}."
-            for name in ("b_Q", "b_K", "b_V", "b_O"):
-                zero_or_absent(name, getattr(a, name, None))
-            for name in ("b_in", "b_out"):
-                zero_or_absent(name, getattr(m, name, None))
-            state.update({p + "input_layernorm.weight": block.ln1.w, p + "post_attention_layernorm.weight": block.ln2.w,
-                          p + "self_attn.q_proj.weight": heads_out(a.W_Q), p + "self_attn.k_proj.weight": heads_out(a.W_K),
-                          p + "self_attn.v_proj.weight": heads_out(a.W_V),
-                          p + "self_attn.o_proj.weight": a.W_O.reshape(-1, a.W_O.shape[-1]).T,
-                          p + "mlp.gate_proj.weight": m.W_gate.T, p + "mlp.up_proj.weight": m.W_in.T,
-                          p + "mlp.down_proj.weight": m.W_out.T})
-    elif model_type == "gpt2":
-        state.update({"transformer.wte.weight": bridge.W_E, "transformer.wpe.weight": bridge.W_pos,
-                      "transformer.ln_f.weight": bridge.ln_final.w, "transformer.ln_f.bias": bridge.ln_final.b})
-        for L, block in enumerate(bridge.blocks):
-            a, m, p = block.attn, block.mlp, f"transformer.h.{L}."
-            state.update({p + "ln_1.weight": block.ln1.w, p + "ln_1.bias": block.ln1.b,
-                          p + "ln_2.weight": block.ln2.w, p + "ln_2.bias": block.ln2.b,
-                          # Conv1D layout [d_in, d_out]; c_attn's columns are q, k, v, each head after head
-                          p + "attn.c_attn.weight": torch.cat([heads_out(W).T for W in (a.W_Q, a.W_K, a.W_V)], 1),
-                          p + "attn.c_attn.bias": torch.cat([b.reshape(-1) for b in (a.b_Q, a.b_K, a.b_V)]),
-                          p + "attn.c_proj.weight": a.W_O.reshape(-1, a.W_O.shape[-1]), p + "attn.c_proj.bias": a.b_O,
-                          p + "mlp.c_fc.weight": m.W_in, p + "mlp.c_fc.bias": m.b_in,
-                          p + "mlp.c_proj.weight": m.W_out, p + "mlp.c_proj.bias": m.b_out})
-    else:
-        raise ValueError(f"weight processing for {model_type} models is not supported; load without it")
+    state.update({name: laid_out(bridge, layout, weights) for name, layout, *weights in family.checkpoint
+                  if "{L}" not in name})
+    for L, block in enumerate(bridge.blocks):
+        for weight in family.unplaced:
+            zero_or_absent(weight.rpartition(".")[2], _tl_weight(block, weight))
+        state.update({name.format(L=L): laid_out(block, layout, weights) for name, layout, *weights in family.checkpoint
+                      if "{L}" in name})
     return {name: t.detach().float().contiguous() for name, t in state.items()}
 
 

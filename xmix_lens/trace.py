@@ -18,13 +18,13 @@ import os
 import sys
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 from .ir import Graph, Node
 from .ops import ELEMENTWISE, OPS, REDUCTIONS
-from .stores import StoreSpec, TraceSession
 
 
 class TraceError(Exception):
@@ -246,6 +246,52 @@ def _flat(args, kwargs):
             yield from a
         else:
             yield a
+
+
+# The stores of a pass (what `store.put` / `store.get` of stores.py make): the tracer's records, which
+# lowering, the engine and app configs take from it.
+@dataclass(eq=False)
+class StoreSpec:
+    """One store of a pass: where it is written, how, and the device buffer consumers read."""
+
+    name: str
+    reduce: str | None  # None: per token; "last": the value of one selected position; or stores.REDUCTIONS
+    feature_shape: tuple[int, ...]
+    buffer: torch.Tensor | None = None  # [B, P, O]: what consumers read at (row, position)
+    row_buffer: torch.Tensor | None = None  # [B, 1, O]: a per-request value, for generated tokens
+    per_token: torch.Tensor | None = None  # [B, P, O] the values a reduction folds
+    written: torch.Tensor | None = None  # [B, P] which positions have been written
+
+    def __repr__(self) -> str:
+        return f"store({self.name!r})"
+
+
+@dataclass
+class TraceSession:
+    """The stores of the hooks being traced: the prompt's (prefill), or the generated tokens'
+    (decode), which also see the prompt's per-request stores."""
+
+    batch: int
+    padded_len: int
+    stores: dict[str, StoreSpec] = field(default_factory=dict)
+    inherited: dict[str, StoreSpec] = field(default_factory=dict)  # the prompt's, seen while decoding
+
+    def find(self, name: str) -> StoreSpec | None:
+        return self.stores.get(name) or self.inherited.get(name)
+
+    def per_request(self) -> dict[str, StoreSpec]:
+        return {name: spec for name, spec in self.stores.items() if spec.reduce is not None}
+
+    def allocate(self, device) -> None:
+        """Device buffers for the stores this session's hooks write."""
+        for spec in self.stores.values():
+            O = 1
+            for s in spec.feature_shape:
+                O *= s
+            spec.buffer = torch.zeros(self.batch, self.padded_len, O, device=device)
+            spec.row_buffer = torch.zeros(self.batch, 1, O, device=device)
+            spec.per_token = torch.zeros(self.batch, self.padded_len, O, device=device)
+            spec.written = torch.zeros(self.batch, self.padded_len, dtype=torch.bool, device=device)
 
 
 class Tracer:

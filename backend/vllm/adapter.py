@@ -12,22 +12,6 @@ from vllm.logger import init_logger
 logger = init_logger("vllm.xmix_lens")
 
 
-# Where a model's site runtime is registered in vLLM's static forward context (the dict vLLM's
-# attention layers register themselves in, read back through the forward context while a forward runs).
-SITE_RUNTIME = "xmix_lens.site_runtime"
-
-
-def register_site_runtime(vllm_config, runtime) -> None:
-    vllm_config.compilation_config.static_forward_context[SITE_RUNTIME] = runtime
-
-
-def running_site_runtime():
-    """The site runtime of the engine whose forward is running, or None outside a forward."""
-    if not is_forward_context_available():
-        return None
-    return get_forward_context().no_compile_layers.get(SITE_RUNTIME)
-
-
 def _executor(llm):
     try:
         return llm.llm_engine.engine_core.engine_core.model_executor

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from xmix_lens import app_config, request_choice
-from xmix_lens.lowered import AffineWrite, GeneratedWrite, op_digest
+from xmix_lens.lowered import op_digest
 from xmix_lens.passes import PassPlan
 
 from . import adapter, remote
@@ -270,8 +270,7 @@ def row_salts(plan: PassPlan) -> list[str | None]:
     ops = [op for phase in phases for site in sorted(phase.ops) for op in phase.ops[site]]
     if not ops:
         return [None] * len(plan.rows)
-    if any(not isinstance(op, (AffineWrite, GeneratedWrite)) or isinstance(op, AffineWrite) and op.per_token_bias
-           or isinstance(op, GeneratedWrite) and any(o.op == "table" for o in op.program.ops) for op in ops):
+    if any(not op.writes or op.uses_token_tables for op in ops):
         return [uuid.uuid4().hex for _ in plan.rows]
     digest = hashlib.sha256()
     for phase in phases:

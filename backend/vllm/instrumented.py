@@ -1,5 +1,7 @@
 """vLLM model classes with hook sites: subclasses registered over vLLM's own architectures.
 
+One subclass per architecture of each family (xmix_lens/families.py), `Xmix<architecture>`, of
+the vLLM model class its family's entry in sites.FAMILY_SITES names: the names plugin.py registers.
 Each subclass builds vLLM's model unchanged, then installs the armed sites (see sites.py) and
 tells the site runtime where each token of a step belongs before the forward runs. Which sites
 are armed comes from the engine's `additional_config={"xmix_lens": {"armed": [...] | "all"}}`;
@@ -9,22 +11,22 @@ CUDA-graph capture), their hook points armed and compiled in: how `vllm serve` g
 engine hands its apps to TP workers (with `"facade": true`: its requests come from the facade in
 its own process, not from an API server).
 """
+import importlib
 import math
 
 import torch
 from vllm import envs
 from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from vllm.logger import init_logger
-from vllm.model_executor.models.gpt2 import GPT2LMHeadModel
-from vllm.model_executor.models.llama import LlamaForCausalLM
 
 from xmix_lens import app_config
+from xmix_lens.families import FAMILIES
 from xmix_lens.hook_points import feature_shape, hook_names
 
-from . import adapter
+from . import adapter, site_op
 from .runtime import SiteRuntime
 from ..sharding import is_sharded
-from .sites import ActiveSites, install_sites
+from .sites import FAMILY_SITES, ActiveSites, install_sites
 
 logger = init_logger("vllm.xmix_lens")  # under "vllm": vLLM's log handler prints it with its own lines
 
@@ -77,6 +79,10 @@ def _shard_widths(family: str, names: list[str], hf_config, world: int) -> dict[
 class _Instrumented:
     family: str
 
+    def __init__(self, *, vllm_config, prefix: str = ""):
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        self._install(vllm_config)
+
     def _install(self, vllm_config) -> None:
         hf_config = vllm_config.model_config.hf_config
         n_layers = hf_config.num_hidden_layers
@@ -95,7 +101,7 @@ class _Instrumented:
                                         world, _shard_widths(self.family, names, hf_config, world),
                                         vllm_config.scheduler_config.max_num_seqs, compiled, active,
                                         vllm_config.model_config.dtype)
-        adapter.register_site_runtime(vllm_config, self.xmix_runtime)
+        site_op.register_site_runtime(vllm_config, self.xmix_runtime)
         runner, worker = adapter.building_model()
         if runner is not None:
             adapter.bind_runner(runner, self.xmix_runtime)
@@ -116,19 +122,16 @@ class _Instrumented:
             return super().forward(input_ids, positions, *args, **kwargs)
 
 
-class XmixLlamaForCausalLM(_Instrumented, LlamaForCausalLM):
-    family = "llama"
+def _with_sites(arch: str, family: str) -> type:
+    """`Xmix<arch>`: the family's vLLM model class (FAMILY_SITES) with sites."""
+    module, _, name = FAMILY_SITES[family].model_class.partition(":")
+    base = getattr(importlib.import_module(module), name)
+    # __module__ given: vLLM's classes are ABCs, and ABCMeta would name its own module
+    return type(f"Xmix{arch}", (_Instrumented, base), {"family": family, "__module__": __name__})
 
-    def __init__(self, *, vllm_config, prefix: str = ""):
-        super().__init__(vllm_config=vllm_config, prefix=prefix)
-        self._install(vllm_config)
 
-
-class XmixGPT2LMHeadModel(_Instrumented, GPT2LMHeadModel):
-    family = "gpt2"
-
-    def __init__(self, *, vllm_config, prefix: str = ""):
-        super().__init__(vllm_config=vllm_config, prefix=prefix)
-        self._install(vllm_config)
+# XmixLlamaForCausalLM, XmixGPT2LMHeadModel, ...: module attributes, as vLLM's registry imports them
+globals().update({f"Xmix{arch}": _with_sites(arch, family.name)
+                  for family in FAMILIES.values() for arch in family.architectures})
 
 

@@ -4,10 +4,9 @@
 def register() -> None:
     from vllm import ModelRegistry
 
-    # a plain dict, not imported from instrumented.py: that module imports vLLM's model code, which
-    # must not happen this early in every vLLM process; the registry imports it lazily.
-    for arch, cls in {
-        "LlamaForCausalLM": "xmix_lens.backend.vllm.instrumented:XmixLlamaForCausalLM",
-        "GPT2LMHeadModel": "xmix_lens.backend.vllm.instrumented:XmixGPT2LMHeadModel",
-    }.items():
-        ModelRegistry.register_model(arch, cls)
+    from ...families import ARCHITECTURES
+
+    # by name, not by class: instrumented.py imports vLLM's model code, which must not happen this early
+    # in every vLLM process; the registry imports it lazily.
+    for arch in ARCHITECTURES:
+        ModelRegistry.register_model(arch, f"xmix_lens.backend.vllm.instrumented:Xmix{arch}")

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from xmix_lens.kernels import Renorm
-from xmix_lens.lowered import AffineWrite, GeneratedRead, GeneratedWrite, LoweredOp, Read, to_device
+from xmix_lens.lowered import LoweredOp, to_device
 from xmix_lens.request_choice import chosen_apps, chosen_values, reads_wanted
 
 from ..executor import Executor
@@ -317,9 +317,9 @@ class SiteRuntime:
             for site, site_ops in phase.ops.items():
                 for op in site_ops:
                     op = op.op if isinstance(op, sharding.Placed) else op
-                    if is_write(op) and site not in p.nonfinite:
+                    if op.writes and site not in p.nonfinite:
                         p.nonfinite[site] = torch.zeros(p.batch, dtype=torch.int32, device=self.device)
-                    if isinstance(op, (Read, GeneratedRead)) and op.store is None and self.tp_rank == 0:
+                    if not op.writes and op.store is None and self.tp_rank == 0:
                         lead = (p.batch, phase.padded_len) if op.keeps_pos else (p.batch,)
                         p.reads[op.key] = torch.zeros(*lead, *op.feature_shape, dtype=self.read_dtype)
                         p.read_ops[op.key] = op
@@ -473,7 +473,7 @@ class SiteRuntime:
         op = placed.op if placed is not None else op
         # the same tokens on every rank: a collective below is called by all ranks or by none
         with sharding.on_site(placed, x, self.comm) as x:
-            if isinstance(op, (AffineWrite, GeneratedWrite)):
+            if op.writes:
                 self.executor.run(op, x, chosen.rows, chosen.flat_index, renorm=renorm)
                 # a per-row count on the device, read when the pass closes: no host sync here
                 written = x.index_select(0, chosen.rows)
@@ -507,7 +507,7 @@ class SiteRuntime:
 
 def is_write(op) -> bool:
     """Whether a lowered op (or its placed form on a TP rank) writes its site."""
-    return isinstance(op.op if isinstance(op, sharding.Placed) else op, (AffineWrite, GeneratedWrite))
+    return (op.op if isinstance(op, sharding.Placed) else op).writes
 
 
 def _put(spec, rows: torch.Tensor, positions: torch.Tensor, values: torch.Tensor) -> None:

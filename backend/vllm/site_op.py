@@ -9,7 +9,7 @@ opaque calls (and CUDA-graph capture records the kernels they launch) instead of
 Their body hands `x` (or its columns [start, end)) to the site runtime of the engine whose forward
 is running, which applies the programs armed at that site this step. That runtime is found in
 vLLM's forward context, where the model registered it as vLLM's own layers register themselves
-(adapter.running_site_runtime): several engines in one process each reach their own.
+(`register_site_runtime`, `running_site_runtime`): several engines in one process each reach their own.
 
 Why `site_cols` takes the whole tensor and not the slice: vLLM compiles with auto-functionalization
 v1 (`enable_auto_functionalized_v2 = False`), and under v1 Inductor mis-compiles two custom ops
@@ -18,10 +18,24 @@ one qkv output are exactly that). A mutation of the whole tensor is functionaliz
 site; the slice is taken inside the op, on real tensors.
 """
 import torch
+from vllm.forward_context import get_forward_context, is_forward_context_available
 
 from xmix_lens.kernels import Renorm
 
-from .adapter import running_site_runtime
+# Where a model's site runtime is registered in vLLM's static forward context (the dict vLLM's
+# attention layers register themselves in, read back through the forward context while a forward runs).
+SITE_RUNTIME = "xmix_lens.site_runtime"
+
+
+def register_site_runtime(vllm_config, runtime) -> None:
+    vllm_config.compilation_config.static_forward_context[SITE_RUNTIME] = runtime
+
+
+def running_site_runtime():
+    """The site runtime of the engine whose forward is running, or None outside a forward."""
+    if not is_forward_context_available():
+        return None
+    return get_forward_context().no_compile_layers.get(SITE_RUNTIME)
 
 
 @torch.library.custom_op("xmix::site", mutates_args=("x",))

@@ -14,7 +14,8 @@ graphs (as it would as an opaque op: no kernel of its own, but a barrier to Indu
 and an unfused residual add + norm), nor in a call hooked elsewhere, and vLLM's fused residual
 add + norm stays fused unless a residual site around it writes.
 
-Each family is a table: (submodule path, placement, hook names). Placements:
+Each family (xmix_lens/families.py) has an entry in FAMILY_SITES: vLLM's model class for it, and
+its site table: (submodule path, placement, hook names). Placements:
   "after"         sites on the module's output (the tensor; for vLLM's linear layers, which
                   return `(out, bias)`, on `out`)
   "before"        sites on the module's first input (in place, so aliases of it see the write)
@@ -119,13 +120,26 @@ def _gpt2_table(n_layers: int) -> list[tuple[str, str, dict[str, list[str]]]]:
     return table
 
 
-SITE_TABLES: dict[str, Callable[[int], list]] = {"llama": _llama_table, "gpt2": _gpt2_table}
+@dataclass(frozen=True)
+class FamilySites:
+    """A family's sites in vLLM: the model class vLLM builds for it (instrumented.py subclasses it
+    with the sites), and its site table for a number of layers."""
+
+    model_class: str  # "module:Class", as vLLM's model registry names one; imported only where a model is built
+    table: Callable[[int], list[tuple[str, str, dict[str, list[str]]]]]
+
+
+# One entry per family of xmix_lens.families, by its name
+FAMILY_SITES = {
+    "llama": FamilySites("vllm.model_executor.models.llama:LlamaForCausalLM", _llama_table),
+    "gpt2": FamilySites("vllm.model_executor.models.gpt2:GPT2LMHeadModel", _gpt2_table),
+}
 
 
 def site_table(family: str, n_layers: int) -> list[tuple[str, str, dict[str, list[str]]]]:
     """The family's table, checked to place every hook point once, in TransformerLens's firing order
     (xmix_lens.hook_points.hook_names): a site's id is the index of its name there."""
-    table = SITE_TABLES[family](n_layers)
+    table = FAMILY_SITES[family].table(n_layers)
     placed = [name for _, _, groups in table for names in groups.values() for name in names]
     if placed != hook_names(family, n_layers):
         raise RuntimeError(f"the {family} site table does not place hook_points.hook_names in order")

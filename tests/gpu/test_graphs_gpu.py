@@ -103,10 +103,10 @@ def engine():
 
 def generate(model, row_apps):
     rows = [model.to_tokens(p)[0].tolist() for p in PROMPTS]
-    trace = model._trace_hooks(len(rows), max(map(len, rows)))
+    trace = model.planner.trace_hooks(len(rows), max(map(len, rows)))
     plan = PassPlan(rows, [0] * len(rows), trace, None, NEW, {"temperature": 0.0, "ignore_eos": True},
                     [tuple(apps) for apps in row_apps])
-    (outcome,) = model._run([plan])
+    (outcome,) = model.planner.run([plan])
     return [list(g) for g in outcome.tokens], outcome.results.app_results
 
 
@@ -169,7 +169,7 @@ def test_toggles_change_results_without_recapture(engine):
     finally:
         model.engine.runtime.set_default_apps(())
     off, _ = generate(model, [set()] * len(PROMPTS))
-    model.engine.runtime.set_app_params("steer", model._lower_app("steer", hooks.apps(v=-hooks.v)["steer"]).ops)
+    model.engine.runtime.set_app_params("steer", model.planner.lower_app("steer", hooks.apps(v=-hooks.v)["steer"]).ops)
     reversed_, _ = generate(model, [{"steer"}] * len(PROMPTS))
     per_call = [model.generate(p, max_new_tokens=NEW, do_sample=False, return_type="tokens", stop_at_eos=False,
                                fwd_hooks=hooks.apps(v=-hooks.v)["steer"])[0, len(model.to_tokens(p)[0]):].tolist()

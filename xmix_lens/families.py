@@ -1,0 +1,95 @@
+"""Model families: one record per family of models the package serves (`Family`), by name (`FAMILIES`).
+
+A family is the Hugging Face architectures whose models have the same TransformerLens hook points
+and the same checkpoint layout. Its record holds everything engine-neutral that differs between
+families: which hook points a block has (hook_points.py makes a model's names from it), which
+query and key attention uses (attention_points.py), and how the family's Hugging Face checkpoint
+is made of TransformerLens's weights (tl_surface.py). Where an engine places the hook points is
+the engine's own: vLLM's placements are backend/vllm/sites.py's FAMILY_SITES, keyed by the family's
+name. Adding a family is a record here and its placements there (docs/architecture.md).
+"""
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class Family:
+    """One family of models.
+
+    name           model.cfg.family; the key of FAMILIES and of an engine's placements
+    title          the family as messages write it
+    architectures  the Hugging Face architectures it serves (config.json's "architectures")
+    positions      "rotary": q and k are rotated per position (attn.hook_rot_q / hook_rot_k);
+                   "learned": a position embedding is added to the token's (hook_pos_embed)
+    gated_mlp      the MLP's activation input has a linear half beside it (mlp.hook_pre_linear)
+    checkpoint     the Hugging Face checkpoint made of TransformerLens's weights (tl_surface's weight
+                   processing): (tensor name, layout (tl_surface.LAYOUTS), TransformerLens weights...);
+                   "{L}" in a name makes it block L's, of block L's weights; several weights are
+                   concatenated along the last dim. lm_head.weight (W_U) is every family's.
+    unplaced       TransformerLens's block weights the checkpoint has no place for: weight processing
+                   must leave them zero
+    """
+
+    name: str
+    title: str
+    architectures: tuple[str, ...]
+    positions: Literal["rotary", "learned"]
+    gated_mlp: bool
+    checkpoint: tuple[tuple[str, ...], ...]
+    unplaced: tuple[str, ...] = ()
+
+    @property
+    def rotary(self) -> bool:
+        return self.positions == "rotary"
+
+
+LLAMA = Family(
+    name="llama", title="Llama", architectures=("LlamaForCausalLM",), positions="rotary", gated_mlp=True,
+    checkpoint=(
+        ("model.embed_tokens.weight", "as_is", "W_E"),
+        ("model.norm.weight", "as_is", "ln_final.w"),
+        ("model.layers.{L}.input_layernorm.weight", "as_is", "ln1.w"),
+        ("model.layers.{L}.post_attention_layernorm.weight", "as_is", "ln2.w"),
+        ("model.layers.{L}.self_attn.q_proj.weight", "heads_linear", "attn.W_Q"),
+        ("model.layers.{L}.self_attn.k_proj.weight", "heads_linear", "attn.W_K"),
+        ("model.layers.{L}.self_attn.v_proj.weight", "heads_linear", "attn.W_V"),
+        ("model.layers.{L}.self_attn.o_proj.weight", "out_heads_linear", "attn.W_O"),
+        ("model.layers.{L}.mlp.gate_proj.weight", "linear", "mlp.W_gate"),
+        ("model.layers.{L}.mlp.up_proj.weight", "linear", "mlp.W_in"),
+        ("model.layers.{L}.mlp.down_proj.weight", "linear", "mlp.W_out"),
+    ),
+    unplaced=("attn.b_Q", "attn.b_K", "attn.b_V", "attn.b_O", "mlp.b_in", "mlp.b_out"),
+)
+
+GPT2 = Family(
+    name="gpt2", title="GPT-2", architectures=("GPT2LMHeadModel",), positions="learned", gated_mlp=False,
+    checkpoint=(
+        ("transformer.wte.weight", "as_is", "W_E"),
+        ("transformer.wpe.weight", "as_is", "W_pos"),
+        ("transformer.ln_f.weight", "as_is", "ln_final.w"),
+        ("transformer.ln_f.bias", "as_is", "ln_final.b"),
+        ("transformer.h.{L}.ln_1.weight", "as_is", "ln1.w"),
+        ("transformer.h.{L}.ln_1.bias", "as_is", "ln1.b"),
+        ("transformer.h.{L}.ln_2.weight", "as_is", "ln2.w"),
+        ("transformer.h.{L}.ln_2.bias", "as_is", "ln2.b"),
+        # Conv1D layout [d_in, d_out]; c_attn's columns are q, k, v, each head after head
+        ("transformer.h.{L}.attn.c_attn.weight", "heads_conv1d", "attn.W_Q", "attn.W_K", "attn.W_V"),
+        ("transformer.h.{L}.attn.c_attn.bias", "flat", "attn.b_Q", "attn.b_K", "attn.b_V"),
+        ("transformer.h.{L}.attn.c_proj.weight", "out_heads_conv1d", "attn.W_O"),
+        ("transformer.h.{L}.attn.c_proj.bias", "as_is", "attn.b_O"),
+        ("transformer.h.{L}.mlp.c_fc.weight", "as_is", "mlp.W_in"),
+        ("transformer.h.{L}.mlp.c_fc.bias", "as_is", "mlp.b_in"),
+        ("transformer.h.{L}.mlp.c_proj.weight", "as_is", "mlp.W_out"),
+        ("transformer.h.{L}.mlp.c_proj.bias", "as_is", "mlp.b_out"),
+    ),
+)
+
+FAMILIES = {family.name: family for family in (LLAMA, GPT2)}
+ARCHITECTURES = {arch: family for family in FAMILIES.values() for arch in family.architectures}
+
+
+def family_of_architecture(arch: str) -> Family:
+    """The family serving a Hugging Face architecture (config.json's first "architectures" entry)."""
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"architecture {arch} is not supported yet; supported: {sorted(ARCHITECTURES)}")
+    return ARCHITECTURES[arch]

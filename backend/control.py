@@ -813,6 +813,27 @@ class ControlPlane:
         self._copies_home.mark()
         return True
 
+    def bring_home(self, req_ids: list[str]) -> list[bool]:
+        """These requests' reads of the steps run so far into the read logs, as far as the device
+        is past their copies, never waiting for it; per request, whether all its reads are home.
+        A server asks for a request's reads once vLLM has returned its last token, so its steps'
+        forwards, and in practice their copies, are done; a drain would wait for the newest
+        step's forward too, and with vLLM's async scheduling a drain per finished request cost
+        served steps their overlap with the GPU. A request whose rows are in a step still on the
+        device (vLLM may schedule a request once more before it sees it has finished) is asked
+        for again."""
+        numbers = np.array([self._number.get(r, -1) for r in req_ids], dtype=np.int64)
+        if not (numbers >= 0).any():
+            return [True] * len(req_ids)
+        step = self._unqueued
+        if step is not None and any(np.isin(owner, numbers[numbers >= 0]).any() for _, owner, _ in step.reads):
+            self._queue_home()  # stream ordered: its copy waits for its forward, done or not
+        home = []
+        for number in numbers:
+            mine = np.array([number])
+            home.append(number < 0 or all(area.bring_home(mine) for area in self._areas))
+        return home
+
     def drain(self) -> None:
         """Every read of the steps run so far in the read logs (before results are taken)."""
         self._queue_home()

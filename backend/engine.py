@@ -12,6 +12,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from xmix_lens.passes import PassPlan
@@ -97,7 +98,7 @@ class Engine(Protocol):
 
 
 def reads_json(per_prompt: list, outputs: dict, max_values: int) -> list[dict]:
-    """[(prompt index, [(app, read key, positions, values)])] as JSON: per prompt, app and output,
+    """[(prompt index, [(app, read key, positions, values: float32 bytes)])] as JSON: per prompt, app and output,
     {"positions": [...], "values": [...] (each of the output's feature shape), "left_out": n}, the
     latest positions that fit in `max_values` numbers over the whole response."""
     out, budget = [], max_values
@@ -108,9 +109,9 @@ def reads_json(per_prompt: list, outputs: dict, max_values: int) -> list[dict]:
             width = math.prod(shape)
             kept = min(len(positions), budget // max(width, 1))
             budget -= kept * width
-            values = torch.tensor(values[len(values) - kept:] if kept else [], dtype=torch.float32)
+            values = np.frombuffer(values, dtype=np.float32).reshape(len(positions), width)
             apps.setdefault(app, {})[output] = {
                 "positions": positions[len(positions) - kept:] if kept else [],
-                "values": values.reshape(kept, *shape).tolist(), "left_out": len(positions) - kept}
+                "values": values[len(values) - kept:].reshape(kept, *shape).tolist(), "left_out": len(positions) - kept}
         out.append({"index": index, "apps": apps})
     return out

@@ -84,6 +84,17 @@ class HomeCopies:
             return None
         return mark >= self.done and not self._events[mark % self.EVENTS].query()
 
+    def reached(self, mark: int) -> bool:
+        """Whether mark number `mark` is made and the device is past it, asked without waiting (then
+        so are the marks before it: one stream)."""
+        if mark >= self.marks:
+            return False
+        if self._events is not None and mark >= self.done:
+            if not self._events[mark % self.EVENTS].query():
+                return False
+            self.done = mark + 1
+        return True
+
 
 NOBODY = (np.iinfo(np.int64).max, -1)  # the (lowest, highest) request number of rows that are nobody's
 
@@ -338,6 +349,32 @@ class ReadArea:
         if self.copies is not None:
             for turn in range(self._turns, self._turns + LANDING_SLOTS):  # oldest first
                 self._move(turn % LANDING_SLOTS)
+
+    def bring_home(self, numbers: np.ndarray) -> bool:
+        """The landed rows into the log, oldest slot first (the log keeps step order), as far as
+        copies the device is past go, never waiting; whether no row of these requests (numbers)
+        is left in a slot whose copy is not done."""
+        if self.copies is None:
+            return True
+        for turn in range(self._turns, self._turns + LANDING_SLOTS):
+            slot = turn % LANDING_SLOTS
+            move = self._moves[slot]
+            if move is None:
+                continue
+            if not self.copies.reached(move[-1]):
+                return not any(self._holds(self._moves[t % LANDING_SLOTS], numbers)
+                               for t in range(turn, self._turns + LANDING_SLOTS))
+            self._move(slot)
+        return True
+
+    @staticmethod
+    def _holds(move: tuple | None, numbers: np.ndarray) -> bool:
+        if move is None:
+            return False
+        first, rows, owner, _, (lowest, highest), _ = move
+        if not ((numbers >= lowest) & (numbers <= highest)).any():
+            return False
+        return bool(np.isin(owner[first:first + rows], numbers).any())
 
     def take(self, numbers: list[int], op: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """Op number `op`'s values of these requests (ReadLog.take); the area settled first."""

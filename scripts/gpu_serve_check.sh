@@ -2,7 +2,7 @@
 # with `xmix-lens serve` (vLLM's OpenAI server + an app config, CUDA graphs on), choose them per request with the
 # openai client. Output under $OUT: serve.log, choices.json.
 set -u
-. .gpu/bin/env.sh && export PYTHONPATH=/tmp/tlsite:$PYTHONPATH
+. .gpu/bin/env.sh && python3 scripts/gpu_wheels.py install > /dev/null
 python3 - <<'PY'
 import torch
 from xmix_lens import HookedServedModel, App
@@ -50,4 +50,4 @@ json.dump(out, open(os.path.join(os.environ["OUT"], "choices.json"), "w"), inden
 print(json.dumps(out["checks"]), out["unknown_app"], "concurrent equal alone:", out["concurrent_32_equal_alone"], "/ 32")
 PY
 grep -E "xmix-lens: |Capturing CUDA graph|Graph capturing finished|cudagraph_mode|EngineCore failed|Error" $OUT/serve.log | cut -c1-300 | head -14
-pkill -f vllm.entrypoints.openai.api_server; sleep 3
+pkill -f xmix_lens.backend.vllm.serve_main; sleep 3

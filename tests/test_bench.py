@@ -6,6 +6,7 @@ mode ran, the idle modes serve what native vLLM serves, and the steering mode st
 eager torch-hook approach does."""
 import gc
 import json
+import statistics
 
 import pytest
 
@@ -279,3 +280,26 @@ def test_chunk_alloc_harness_times_steps_with_chunks_made_inline_and_ahead():
     assert rows["none"]["chunks"] == 0 and rows["inline"]["chunks"] == rows["helper"]["chunks"] == 10
     assert all(0 < row["median_ms"] <= row["p99_ms"] <= row["max_ms"] for row in rows.values())
     assert rows["inline"]["inline_allocation_ms"]["median"] > 0 and "inline_allocation_ms" not in rows["helper"]
+
+
+def test_served_harness_times_every_mode_against_native_servers(tmp_path):
+    """bench/served.py at toy size: `vllm bench serve` against a native server and `xmix-lens serve`
+    with the seven bench apps exported, every mode in each round; ratios to native, and the seven
+    apps' reads returned."""
+    from bench import served
+
+    out = tmp_path / "served.json"
+    result = served.main(["--model", str(tiny_llama()), "--modes", "native", "none", "seven", "--concurrency", "2",
+                          "--rounds", "2", "--prompts-per-client", "2", "--input-len", "16", "--output-len", "6",
+                          "--max-model-len", "128", "--dtype", "float32", "--out", str(out)])
+    assert json.loads(out.read_text())["summary"] == json.loads(json.dumps(result["summary"], default=bool))
+    runs = result["runs"][2]
+    assert set(runs) == {"native", "none", "seven"}
+    for mode, rounds in runs.items():
+        assert len(rounds) == 2 and all(r["completed"] == 4 and r["mean_itl_ms"] > 0 for r in rounds)
+    ratio = result["summary"][2]["seven"]["mean_itl_ms"]["ratio"]
+    assert ratio == statistics.median(r["mean_itl_ms"] for r in runs["seven"]) / statistics.median(
+        r["mean_itl_ms"] for r in runs["native"])
+    assert set(result["seven_reads"]) == {"probe_read", "sae_features"}  # the two reading apps
+    assert all(r["positions"] == [15] for outs in result["seven_reads"].values() for r in outs.values())
+    assert result["command"].startswith("python -m bench.served")

@@ -4,6 +4,7 @@ refused with its key named, never read as "no apps"."""
 import json
 import re
 
+import numpy as np
 import pytest
 
 from xmix_lens.backend.engine import reads_json
@@ -97,15 +98,36 @@ def test_the_api_server_salts_choices_and_refuses_bad_ones(monkeypatch):
     with pytest.raises(serving.BadChoice, match="no app named 'joy'"):
         serving.checked(json.dumps(dict(choosing, vllm_xargs={APPS_KEY: "joy"})).encode(), "/v1/completions")
     plain = json.dumps({"model": "m", "prompt": "x"}).encode()
-    assert serving.checked(plain, "/v1/completions") == (plain, False)
-    assert serving.checked(b"not json", "/v1/completions") == (b"not json", False)
+    assert serving.checked(plain, "/v1/completions") == (plain, None)
+    assert serving.checked(b"not json", "/v1/completions") == (b"not json", None)
+
+
+def test_the_api_server_names_each_reading_request_as_vllm_will(monkeypatch):
+    """A request whose response gets reads has an id known before vLLM answers (so that it can be
+    forgotten if its client goes away): its X-Request-Id header's, else its body's request_id, else
+    one set in its body; vLLM prefixes "cmpl-" or "chatcmpl-". Others are left as they came."""
+    monkeypatch.setattr(serving, "_served", serving.ServedConfig(tuple(INSTALLED), frozenset({"probe"}), "digest"))
+    reading = {"model": "m", "prompt": "x", "vllm_xargs": {APPS_KEY: "probe"}}
+    body, api_id = serving.checked(json.dumps(reading).encode(), "/v1/completions")
+    assert api_id == "cmpl-" + json.loads(body)["request_id"] and len(api_id) > len("cmpl-")
+    assert serving.checked(json.dumps(reading).encode(), "/v1/completions")[1] != api_id  # each its own
+    named = dict(reading, request_id="mine")
+    assert serving.checked(json.dumps(named).encode(), "/v1/chat/completions")[1] == "chatcmpl-mine"
+    body, api_id = serving.checked(json.dumps(named).encode(), "/v1/completions", header_id="from-header")
+    assert api_id == "cmpl-from-header" and json.loads(body)["request_id"] == "mine"  # vLLM takes the header's
+    steering = dict(reading, vllm_xargs={APPS_KEY: "steer"})
+    body, api_id = serving.checked(json.dumps(steering).encode(), "/v1/completions")
+    assert api_id is None and "request_id" not in json.loads(body)
 
 
 def test_reads_go_out_as_json_per_prompt_within_a_bound():
     outputs = {("probe", ("prefill", "blocks.1.hook_resid_post", 0)): ResidentRead("score", ()),
                ("sae", ("prefill", "blocks.0.hook_resid_post", 1)): ResidentRead("features", (2,))}
-    per_prompt = [(1, [("probe", ["prefill", "blocks.1.hook_resid_post", 0], [0, 1, 2], [[0.5], [1.5], [2.5]])]),
-                  (0, [("sae", ["prefill", "blocks.0.hook_resid_post", 1], [0, 1], [[1, 2], [3, 4]])])]
+    def values(rows):  # as the workers send them: float32 bytes
+        return np.asarray(rows, dtype=np.float32).tobytes()
+
+    per_prompt = [(1, [("probe", ["prefill", "blocks.1.hook_resid_post", 0], [0, 1, 2], values([[0.5], [1.5], [2.5]]))]),
+                  (0, [("sae", ["prefill", "blocks.0.hook_resid_post", 1], [0, 1], values([[1, 2], [3, 4]]))])]
     # 5 numbers: prompt 0's two positions of width 2, then the latest position of prompt 1 that fits
     assert reads_json(per_prompt, outputs, max_values=5) == [
         {"index": 0, "apps": {"sae": {"features": {"positions": [0, 1], "values": [[1, 2], [3, 4]], "left_out": 0}}}},

@@ -329,3 +329,84 @@ def test_a_bad_config_stops_the_server_at_start(config, tmp_path):
         assert "extra.pkl is not part of the config" in server.output()
     finally:
         server.stop()
+
+
+def metric(server, name: str) -> dict[str, float]:
+    """A metric's samples on the server's /metrics, by their labels as written there."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=10).read().decode()
+    return {m.group(1) or "": float(m.group(2)) for m in re.finditer(rf"^{name}(\{{[^}}]*\}})? (\S+)$", text, re.M)}
+
+
+def reads_held_after_a_fetch(server, facade) -> float:
+    """The engine's count of requests whose reads it keeps, as a finished reading request's fetch finds it."""
+    ids = prompt_ids(facade, PROMPTS[1])
+    server.client().completions.create(model=str(tiny_llama()), prompt=ids, max_tokens=2,
+                                       extra_body={"vllm_xargs": {APPS_KEY: "probe"}})
+    return max(metric(server, "xmix_reads_held").values())
+
+
+def test_clients_that_go_away_leave_no_reads_behind(server, facade):
+    """Clients streaming reading requests at once, half of them closing their stream after its first
+    events and some giving up before any answer: the engine keeps no reads for any of them (a
+    request whose client went away is forgotten, not held for a fetch that never comes), and the
+    streams read to the end get their reads. /metrics counts each app's requests."""
+    model = str(tiny_llama())
+    before = metric(server, "xmix_app_requests_total").get('{app="probe"}', 0.0)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused", max_retries=0)
+    xargs = {"vllm_xargs": {APPS_KEY: "steer,probe", READS_KEY: "all"}, "ignore_eos": True}
+
+    def stream(i: int):
+        events = client.completions.create(model=model, prompt=PROMPTS[i % 2], max_tokens=48, stream=True,
+                                           extra_body=xargs)
+        if i % 2:  # goes away after two events
+            for _, _ in zip(range(2), events):
+                pass
+            events.close()
+            return None
+        return list(events)[-1].model_extra.get("xmix_reads")
+
+    def impatient(_):
+        with pytest.raises(openai.APITimeoutError):
+            client.with_options(timeout=0.05).completions.create(model=model, prompt=PROMPTS[0], max_tokens=48,
+                                                                 extra_body=xargs)
+
+    with ThreadPoolExecutor(24) as pool:
+        streamed = list(pool.map(stream, range(16)))
+        list(pool.map(impatient, range(4)))
+    assert all(reads[0]["apps"]["probe"]["score"]["positions"] for reads in streamed[::2])
+    deadline = time.time() + 60  # a server learns of a client gone as it next writes to it
+    while (held := reads_held_after_a_fetch(server, facade)) and time.time() < deadline:
+        time.sleep(0.5)
+    assert held == 0
+    assert metric(server, "xmix_app_requests_total")['{app="probe"}'] >= before + 16 + 4 + 1
+
+
+def test_two_api_servers_check_choices_and_bring_each_client_its_reads(config, facade, tmp_path):
+    """`--api-server-count 2`: vLLM's API servers share the engine, each with the middleware; many
+    clients at once, each with its own prompt, get their own prompt's reads, and bad choices are
+    refused by either server."""
+    port, model = free_port(), str(tiny_llama())
+    command = [sys.executable, "-m", "xmix_lens.cli", "serve", str(config), "--", *vllm_args(model, port),
+               "--api-server-count", "2"]
+    two = Server(command, tmp_path / "two.log", port)
+    try:
+        assert two.wait_ready(), two.output()[-3000:]
+        prompts = [prompt_ids(facade, f"{PROMPTS[i % 2]} {'and so on ' * i}") for i in range(12)]
+
+        def probe_scores(ids):
+            out = two.client().completions.create(model=model, prompt=ids, max_tokens=2, temperature=0,
+                                                  extra_body={"vllm_xargs": {APPS_KEY: "probe"}})
+            return out.model_extra["xmix_reads"][0]["apps"]["probe"]["score"]
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            scores = list(pool.map(probe_scores, prompts))
+        for ids, score in zip(prompts, scores):
+            assert score["positions"] == [len(ids) - 1]
+            torch.testing.assert_close(torch.tensor(score["values"]), probe_oracle(facade, ids)[[len(ids) - 1]],
+                                       atol=1e-4, rtol=1e-4)
+        for _ in range(4):  # requests go to either server
+            with pytest.raises(openai.BadRequestError, match="no app named 'joy'"):
+                two.complete(model, prompts[0], {APPS_KEY: "joy"})
+        assert two.output().count("xmix-lens: this API server takes app choices") == 2
+    finally:
+        two.stop()

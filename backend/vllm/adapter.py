@@ -65,9 +65,13 @@ def building_model() -> tuple[object, object]:
 
 
 def serve_reads(worker, runtime) -> None:
-    """The worker answers `collective_rpc("xmix_take_reads", args=(request id,))`, the API server's
-    fetch of a finished request's reads (serving.py), with its runtime's."""
-    worker.xmix_take_reads = runtime.take_served_reads
+    """The worker answers `collective_rpc("xmix_take_reads", args=(API request ids, ids to forget,
+    wait))`, an API server's fetch of finished requests' reads (serving.py), with its runtime's and
+    the number of requests whose reads it still holds (the server's /metrics)."""
+    def take_reads(request_ids, forget, wait):
+        return runtime.take_served_reads(request_ids, forget, wait), runtime.reads_held
+
+    worker.xmix_take_reads = take_reads
 
 
 def bind_runner(runner, runtime=None):

@@ -208,7 +208,7 @@ class VllmEngine:
                     if out.prompt_logprobs is not None:  # the prompt's own tokens (the first has none)
                         logprobs = [entry[token].logprob for token, entry in
                                     zip(request.prompt[1:], out.prompt_logprobs[1:])]
-                    reads = self.runtime.take_served_reads(request.key) if request.reads else []
+                    reads = self.runtime.take_served_reads([request.key], wait=True)[request.key] if request.reads else []
                     yield ServedResult(request.key, len(request.prompt), list(out.outputs[0].token_ids),
                                        out.outputs[0].finish_reason, logprobs, reads)
         finally:

@@ -68,8 +68,8 @@ class RemoteRuntime:
     def set_default_apps(self, names):
         self._call("set_default_apps", tuple(names))
 
-    def take_served_reads(self, request_id):
-        return self._call("take_served_reads", request_id)
+    def take_served_reads(self, request_ids, forget=(), wait=False):
+        return self._call("take_served_reads", request_ids, forget, wait)
 
     def clear_results(self):
         self._call("clear_results")

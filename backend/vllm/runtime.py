@@ -141,6 +141,7 @@ class SiteRuntime:
         self.served: set[str] = set()  # requests whose own vllm_xargs chose their apps
         self.reading: dict[str, tuple[str, int]] = {}  # those whose reads go back: (which positions, prompt length)
         self.finished_reading: dict[str, None] = {}  # finished, their reads not fetched yet (oldest first)
+        self._reading_of: dict[str, set[str]] = {}  # API request id -> its requests in `reading` (_api_ids)
         for name, ops_by_hook_point, params in apps:
             self.install_app(name, ops_by_hook_point, params)
         self.passes: dict[int, Pass] = {}
@@ -198,31 +199,71 @@ class SiteRuntime:
                 wanted = reads_wanted(extra_args)
                 if wanted != "none" and any(self.control.apps[name].info().reads for name in names):
                     self.reading[req_id] = (wanted, prompt_len)
+                    for api_id in self._api_ids(req_id):
+                        self._reading_of.setdefault(api_id, set()).add(req_id)
 
-    def take_served_reads(self, request_id: str) -> list | None:
-        """The reads of the served requests of one API request, which are then forgotten: vLLM's ids
-        for it are `request_id` + "-" (a prompt index for completions) and a random suffix.
-        [(prompt index, [(app, read key, positions, values)])], as lists (they cross processes as
-        msgpack); rank 0 answers."""
-        self.control.drain()
-        taken = []
-        req_ids = sorted(r for r in self.reading if r.startswith(request_id + "-"))
-        for req_id, results in zip(req_ids, self.control.take_results(req_ids)):
-            middle = req_id[len(request_id) + 1:].split("-")
-            index = int(middle[0]) if len(middle) > 1 and middle[0].isdigit() else 0
-            wanted, prompt_len = self.reading[req_id]
-            reads = []
-            for (app, key), (pos, values) in results.items():
-                kept = {"all": pos >= 0, "prompt_end": pos == prompt_len - 1, "last": pos == pos.max()}[wanted]
-                reads.append((app, list(key), pos[kept].tolist(), values[kept].tolist()))
-            taken.append((index, reads))
-            self._forget_served(req_id)
+    def take_served_reads(self, request_ids: list[str], forget: list[str] = (), wait: bool = False) -> dict | None:
+        """The reads of finished API requests, which are then forgotten, and of those in `forget`
+        (whose clients went away) nothing: they are forgotten. {API request id: [(prompt index,
+        [(app, read key, positions, values)])], or None where a step of it is still on the device
+        (asked again later; `wait`: waited for instead)}. Values are float32 bytes, [positions,
+        features] (they cross processes as msgpack: plain types). Rank 0 answers."""
+        for api_id in forget:
+            for req_id in list(self._reading_of.get(api_id, ())):
+                self._forget_served(req_id)
+        wanted = {api_id: list(self._reading_of.get(api_id, ())) for api_id in request_ids}
+        every = [r for req_ids in wanted.values() for r in req_ids]
+        home = dict(zip(every, self.control.bring_home(every)))
+        if wait and not all(home.values()):
+            self.control.drain()
+            home = dict.fromkeys(every, True)
+        ready = [r for r in every if home[r]]
+        results = dict(zip(ready, self.control.take_results(ready)))
+        taken = {}
+        for api_id, req_ids in wanted.items():
+            if not all(home[r] for r in req_ids):
+                taken[api_id] = None
+                continue
+            taken[api_id] = [self._served_reads(api_id, req_id, results[req_id]) for req_id in sorted(req_ids)]
+            for req_id in req_ids:
+                self._forget_served(req_id)
         return taken if self.tp_rank == 0 else None
+
+    @property
+    def reads_held(self) -> int:
+        """Requests whose reads are kept for a fetch: running, or finished and not fetched yet."""
+        return len(self.reading.keys() | self.finished_reading.keys())
+
+    def _served_reads(self, api_id: str, req_id: str, results: dict) -> tuple:
+        """(prompt index, [(app, read key, positions, values)]) of one of an API request's requests:
+        vLLM's id for it is the API request's, a prompt index for completions, and a random suffix."""
+        middle = req_id[len(api_id) + 1:].split("-")
+        index = int(middle[0]) if len(middle) > 1 and middle[0].isdigit() else 0
+        wanted, prompt_len = self.reading[req_id]
+        reads = []
+        for (app, key), (pos, values) in results.items():
+            kept = {"all": pos >= 0, "prompt_end": pos == prompt_len - 1, "last": pos == pos.max()}[wanted]
+            reads.append((app, list(key), pos[kept].tolist(), values[kept].float().numpy().tobytes()))
+        return index, reads
+
+    def _api_ids(self, req_id: str) -> list[str]:
+        """The API request ids a request's reads are asked for by: vLLM's id less its random suffix
+        ("chatcmpl-<id>", "cmpl-<id>-<prompt index>"), and for a prompt of a completion also the
+        completion's ("cmpl-<id>")."""
+        external = req_id.rsplit("-", 1)[0]
+        outer, _, index = external.rpartition("-")
+        return [external, outer] if outer and index.isdigit() else [external]
 
     def _forget_served(self, req_id: str) -> None:
         self.control.forget(req_id)
         self.served.discard(req_id)
-        self.reading.pop(req_id, None)
+        if self.reading.pop(req_id, None) is not None:
+            for api_id in self._api_ids(req_id):
+                same = self._reading_of.get(api_id)
+                if same is not None:
+                    same.discard(req_id)
+                    if not same:
+                        del self._reading_of[api_id]
         self.finished_reading.pop(req_id, None)
 
     def set_default_apps(self, names) -> None:

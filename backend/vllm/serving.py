@@ -12,18 +12,26 @@ parses it. A request whose `vllm_xargs` say anything to xmix-lens is
     chose the same. A request that wants every position's reads gets a salt of its own: it computes
     every position, and its reads cover every position they promise.
 Then the engine's workers select the apps for each request's tokens from the same `vllm_xargs`
-(adapter._follow_request_choices). The response of a request that wants reads (`WithReads`) gets them,
-fetched from the workers by collective RPC once the response is complete.
+(adapter._follow_request_choices). The response of a request that wants reads (`WithReads`) gets them
+once it is complete, fetched from the workers (`ReadFetcher`: the responses waiting share one
+collective RPC at a time, which waits for no step on the device). The middleware names each such
+request (its `request_id`, unless the client named it), so that a request whose client goes away
+before its reads are fetched is forgotten by name. `/metrics` counts the requests choosing each app
+(`xmix_app_requests_total`, in every API server).
 
 Why not a logits processor's `validate_params` (vLLM's documented per-request check)? Installing
 one as an entry point makes vLLM 0.26 give up its V2 model runner for every engine on the machine
 ("Model Runner V2 does not yet support custom logits processors", seen 2026-12-01 on the H200).
 """
+import asyncio
 import hashlib
 import json
+import time
+import uuid
 from pathlib import Path
 from typing import NamedTuple
 
+from prometheus_client import Counter, Gauge
 from vllm.logger import init_logger
 
 from xmix_lens import app_config
@@ -33,6 +41,10 @@ from ..engine import reads_json
 
 logger = init_logger("vllm.xmix_lens")
 SALTED_PATHS = ("/v1/completions", "/v1/chat/completions")  # the requests whose cache_salt vLLM honours
+ID_PREFIXES = {"/v1/completions": "cmpl-", "/v1/chat/completions": "chatcmpl-"}  # vLLM's, before the request id
+APP_REQUESTS = Counter("xmix_app_requests", "Requests that chose each xmix-lens app (vllm_xargs)", ["app"])
+READS_HELD = Gauge("xmix_reads_held", "Requests whose reads the engine keeps for a fetch (running, or finished "
+                   "and not fetched), as this API server's last fetch found")
 
 
 MAX_READ_VALUES = 65536  # numbers per response: the latest positions that fit are returned, the count left out said
@@ -49,7 +61,7 @@ class ServedConfig(NamedTuple):
 
 
 _served: ServedConfig | None = None  # this API-server process's, set by AppsEndpoint.init_state
-_engine = None  # its engine client: reads are fetched from the workers by collective RPC
+_fetcher: "ReadFetcher | None" = None  # its fetches of reads from the engine's workers
 
 
 def config_folder(additional_config) -> str | None:
@@ -76,8 +88,8 @@ class AppsEndpoint:
         app.add_middleware(CheckChoices)
 
     async def init_state(self, engine_client, state, args) -> None:
-        global _served, _engine
-        _engine = engine_client
+        global _served, _fetcher
+        _fetcher = ReadFetcher(engine_client)
         folder = config_folder(getattr(args, "additional_config", None))
         _served = load_served(folder, args.model) if folder else None
         if _served:
@@ -88,17 +100,18 @@ class BadChoice(ValueError):
     """A request's app choice that the server refuses (HTTP 400)."""
 
 
-def checked(body: bytes, path: str) -> tuple[bytes, bool]:
+def checked(body: bytes, path: str, header_id: str | None = None) -> tuple[bytes, str | None]:
     """A request body as the engine must see it: unchanged if it says nothing to xmix-lens, else
-    with its choice's cache salt; and whether it chose an app that reads (its response gets the
-    reads). BadChoice names what is wrong."""
+    with its choice's cache salt; and if it chose an app that reads (its response gets the reads),
+    the id vLLM gives it (its X-Request-Id header's, `header_id`, else its body's `request_id`,
+    which is set here where the client set none). BadChoice names what is wrong."""
     try:
         request = json.loads(body)
     except ValueError:
-        return body, False
+        return body, None
     xargs = request.get("vllm_xargs") if isinstance(request, dict) else None
     if not isinstance(xargs, dict) or not asks_for_apps(xargs):
-        return body, False
+        return body, None
     if _served is None:
         raise BadChoice("this server takes no app choices (vllm_xargs with xmix keys): it serves no xmix-lens app "
                         "config. Start it with `xmix-lens serve DIR -- MODEL ...`")
@@ -116,7 +129,14 @@ def checked(body: bytes, path: str) -> tuple[bytes, bool]:
     client_salt = request.get("cache_salt")
     request["cache_salt"] = f"{client_salt}|{choice_salt}" if isinstance(client_salt, str) and client_salt \
         else choice_salt
-    return json.dumps(request).encode(), reading
+    for name in names:
+        APP_REQUESTS.labels(app=name).inc()
+    api_id = None
+    if reading:
+        if header_id is None and not (isinstance(request.get("request_id"), str) and request["request_id"]):
+            request["request_id"] = uuid.uuid4().hex
+        api_id = ID_PREFIXES[path] + (header_id if header_id is not None else request["request_id"])
+    return json.dumps(request).encode(), api_id
 
 
 class CheckChoices:
@@ -135,23 +155,32 @@ class CheckChoices:
                 return await self.app(scope, _replay([message], receive), send)
             chunks.append(message.get("body", b""))
             more = message.get("more_body", False)
+        header_id = dict(scope.get("headers", [])).get(b"x-request-id")
         try:
-            body, reading = checked(b"".join(chunks), scope["path"])
+            body, api_id = checked(b"".join(chunks), scope["path"], header_id and header_id.decode())
         except BadChoice as e:
             return await _bad_request(send, str(e))
         headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-length"]
         scope = dict(scope, headers=headers + [(b"content-length", str(len(body)).encode())])
-        await self.app(scope, _replay([{"type": "http.request", "body": body, "more_body": False}], receive),
-                       WithReads(send).send if reading else send)
+        replayed = _replay([{"type": "http.request", "body": body, "more_body": False}], receive)
+        if api_id is None:
+            return await self.app(scope, replayed, send)
+        response = WithReads(send, api_id)
+        try:
+            await self.app(scope, replayed, response.send)
+        finally:
+            if not response.fetched:  # an error, or its client went away: nobody takes its reads
+                _fetcher.forget(api_id)
 
 
 class WithReads:
-    """The response of a request that chose reading apps, with the reads added: a JSON response gets
-    an `xmix_reads` field; a stream gets one more event before `data: [DONE]`, a chunk with no
-    choices and `xmix_reads` (as vLLM's own usage chunk has no choices)."""
+    """The response of API request `api_id`, which chose reading apps, with the reads added: a JSON
+    response gets an `xmix_reads` field; a stream gets one more event before `data: [DONE]`, a chunk
+    with no choices and `xmix_reads` (as vLLM's own usage chunk has no choices)."""
 
-    def __init__(self, send):
-        self._send, self.start, self.body, self.request_id, self.streaming = send, None, [], None, False
+    def __init__(self, send, api_id: str):
+        self._send, self.api_id = send, api_id
+        self.start, self.body, self.streaming, self.fetched = None, [], False, False
 
     async def send(self, message) -> None:
         if message["type"] == "http.response.start":
@@ -169,7 +198,7 @@ class WithReads:
         if message.get("more_body", False):
             return
         response = json.loads(b"".join(self.body))
-        response["xmix_reads"] = await fetch_reads(response["id"])
+        response["xmix_reads"] = await self._reads()
         body = json.dumps(response).encode()
         headers = [(k, v) for k, v in self.start.get("headers", []) if k.lower() != b"content-length"]
         await self._send(dict(self.start, headers=headers + [(b"content-length", str(len(body)).encode())]))
@@ -177,25 +206,69 @@ class WithReads:
 
     async def _stream(self, message) -> None:
         chunk = message.get("body", b"")
-        if self.request_id is None and b"data: {" in chunk:
-            event = chunk[chunk.index(b"data: {") + 6:].split(b"\n", 1)[0]
-            try:
-                self.request_id = json.loads(event).get("id")
-            except ValueError:  # an event split over chunks: the next one names the request too
-                pass
         done = chunk.find(b"data: [DONE]")
-        if done >= 0 and self.request_id is not None:
-            reads = {"id": self.request_id, "object": "xmix.reads", "choices": [],
-                     "xmix_reads": await fetch_reads(self.request_id)}
+        if done >= 0:
+            reads = {"id": self.api_id, "object": "xmix.reads", "choices": [], "xmix_reads": await self._reads()}
             chunk = chunk[:done] + b"data: " + json.dumps(reads).encode() + b"\n\n" + chunk[done:]
         await self._send(dict(message, body=chunk))
 
+    async def _reads(self) -> list[dict]:
+        """As docs/serving.md shows them: per prompt, per app and output, the positions read and their values."""
+        per_prompt = await _fetcher.reads(self.api_id)
+        self.fetched = True
+        return reads_json(per_prompt, _served.outputs, MAX_READ_VALUES)
 
-async def fetch_reads(request_id: str) -> list[dict]:
-    """The reads of a finished request, from the engine's workers (rank 0 answers), as documented in
-    docs/serving.md: per prompt, per app and output, the positions read and their values."""
-    answers = await _engine.collective_rpc("xmix_take_reads", args=(request_id,))
-    return reads_json(answers[0], _served.outputs, MAX_READ_VALUES)
+
+class ReadFetcher:
+    """An API server's fetches of finished requests' reads from the engine's workers (rank 0
+    answers): one collective RPC at a time (a utility call the engine core answers between steps)
+    carries every response waiting, and the requests to forget. A request with a step still on the
+    device is asked for again after RETRY_S, and waited for (a drain) once asked for WAIT_S: the
+    engine may have gone idle before that step's reads were queued home."""
+
+    RETRY_S = 0.002
+    WAIT_S = 0.05
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.waiting: dict[str, tuple[asyncio.Future, float]] = {}  # API request id -> (its reads, asked at)
+        self.forgotten: list[str] = []
+        self._fetching: asyncio.Task | None = None
+
+    async def reads(self, api_id: str) -> list:
+        future = asyncio.get_running_loop().create_future()
+        self.waiting[api_id] = (future, time.monotonic())
+        self._start()
+        return await future
+
+    def forget(self, api_id: str) -> None:
+        self.forgotten.append(api_id)
+        self._start()
+
+    def _start(self) -> None:
+        if self._fetching is None or self._fetching.done():
+            self._fetching = asyncio.ensure_future(self._fetch())
+
+    async def _fetch(self) -> None:
+        while self.waiting or self.forgotten:
+            asked, forget, self.forgotten = list(self.waiting), self.forgotten, []
+            wait = any(time.monotonic() - self.waiting[a][1] > self.WAIT_S for a in asked)
+            try:
+                answers, held = (await self.engine.collective_rpc("xmix_take_reads", args=(asked, forget, wait)))[0]
+            except Exception as e:  # the engine is gone: every response waiting says so
+                for future, _ in self.waiting.values():
+                    if not future.done():
+                        future.set_exception(e)
+                self.waiting.clear()
+                return
+            READS_HELD.set(held)
+            for api_id, reads in answers.items():
+                if reads is not None:
+                    future, _ = self.waiting.pop(api_id)
+                    if not future.done():  # its client went away meanwhile
+                        future.set_result(reads)
+            if set(self.waiting) <= set(asked) and not self.forgotten:  # none came meanwhile
+                await asyncio.sleep(self.RETRY_S)
 
 
 def _multipart(scope) -> bool:

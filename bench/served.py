@@ -65,6 +65,8 @@ def parse(argv):
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.28, help="each server's (GPU)")
+    p.add_argument("--kv-cache-gib", type=float, help="each server's KV cache (GPU), not profiled: servers "
+                   "starting side by side would each count the others' memory as theirs")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--logs", help="a folder for the servers' logs (default: beside --out)")
     p.add_argument("--commit", default="", help="the commit measured, recorded with the results")
@@ -76,9 +78,12 @@ def parse(argv):
 
 def server_args(args, port: int) -> list[str]:
     extra = ["--load-format", "dummy"] if args.dummy else []
-    on_gpu = _on_gpu()
-    memory = ["--gpu-memory-utilization", str(args.gpu_memory_utilization)] if on_gpu else \
-        ["--kv-cache-memory-bytes", str(256 * 2**20), "--enforce-eager"]
+    if _on_gpu():
+        memory = ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+        if args.kv_cache_gib:
+            memory += ["--kv-cache-memory-bytes", str(int(args.kv_cache_gib * 2**30))]
+    else:  # the CPU harness: a small KV cache, no compile
+        memory = ["--kv-cache-memory-bytes", str(256 * 2**20), "--enforce-eager"]
     return [args.model, "--dtype", args.dtype, "--max-model-len", str(args.max_model_len), "--port", str(port),
             "--max-num-seqs", str(max(args.concurrency)), *memory, *extra]
 

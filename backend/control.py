@@ -91,6 +91,7 @@ class ResidentOp:
     columns: slice | None = None
     area_op: int = -1  # reads: its number among the area's ops (its tags in the area's log)
     captured: bool = False  # launched while a CUDA graph was being captured
+    compiled: bool = False  # its kernel compiled at every launch configuration (ControlPlane._compile_ahead)
     retired: bool = False  # its app was uninstalled; kept only because a captured graph launches it
     placed: Placed | None = None  # at a sharded site of a TP engine: how this rank runs it
     tables: dict = field(default_factory=dict)  # field ("bias", "consts[i]") -> [slots, ...]: row 0 the default
@@ -287,6 +288,7 @@ class ControlPlane:
                                   device=self.device)
         self.control[:, TABLE:] = 0
         self._tokens = torch.arange(self.max_tokens, dtype=torch.int32, device=self.device)  # a read's row per token
+        self._gated_off = torch.full((self.max_tokens,), -1, dtype=torch.int32, device=self.device)  # rows no op runs on
         # A step's rows are staged on the host as one contiguous [apps, kinds, width] block at the front of
         # a flat pinned buffer, copied into `control[:apps, :, :width]` by one runtime call
         # (`_row_copier`). Staging buffers take turns (device="cpu" explicitly: vLLM builds the model
@@ -793,12 +795,30 @@ class ControlPlane:
             rows = self.control[entry.index, ROWS, :T]
             tables = self.control[entry.index, TABLE, :T] if entry.indexed else None
             with on_site(entry.placed, x, self.comm) as x_op:  # a gather plan: the whole row
+                if not entry.compiled and not capturing:
+                    self._compile_ahead(entry, x_op, renorm)
                 if entry.step_values is None:
                     self.executor.run(entry.op, x_op, rows, tables, renorm=renorm)
                 else:
                     self.executor.run(entry.op, x_op, rows, tables, out=entry.step_values, dest=self._tokens[:T])
             if entry.store is not None:
                 entry.store.fold(entry.step_values[:T], self.control[entry.index, PUT, :T])
+
+    def _compile_ahead(self, entry: ResidentOp, x: torch.Tensor, renorm: Renorm | None) -> None:
+        """The op launched once at each launch configuration of its kernel, on rows all gated off
+        (nothing read or written), at its first launch outside a CUDA-graph capture: for a served
+        config, vLLM's profile run, before the server is ready. Triton compiles a kernel per
+        configuration at its first launch, and each compiled while serving stalled the steps
+        around it for hundreds of milliseconds (the seven apps on the H200: served TTFT 2x native's
+        until every prefill size had come by)."""
+        entry.compiled = True
+        for R in self.executor.launch_row_counts(entry.op, x.shape[1], self.max_tokens):
+            rows = self._gated_off[:R]
+            tables = self.control[entry.index, TABLE, :R] if entry.indexed else None
+            if entry.step_values is None:
+                self.executor.run(entry.op, x, rows, tables, renorm=renorm)
+            else:
+                self.executor.run(entry.op, x, rows, tables, out=entry.step_values, dest=self._tokens[:R])
 
     # --- the messenger ----------------------------------------------------------------------------
     def _queue_home(self) -> bool:

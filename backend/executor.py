@@ -12,6 +12,7 @@ from typing import NamedTuple
 import torch
 
 from xmix_lens import kernels
+from xmix_lens.kernels.program_kernel import launch_row_counts
 from xmix_lens.kernels.split_matmul import arrival_counters
 from xmix_lens.lowered import AffineWrite, GeneratedRead, GeneratedWrite, LoweredOp, Read
 
@@ -45,6 +46,14 @@ class Executor:
         tables ([B, P, ...] flattened), for ops that have them. Reads write `out[dest]`. `renorm`: at a
         residual site, the norm's output after it, whose rows a write makes again (a read ignores it)."""
         self._launches[type(op)](self, op, x, rows, table_index, out, dest, renorm)
+
+    def launch_row_counts(self, op: LoweredOp, F: int, most: int) -> list[int]:
+        """Row counts at which launches of `op` at a site of F features compile every kernel that its
+        launches of up to `most` rows use (programs' kernels: launch_row_counts); none where one
+        launch compiles the only kernel (the templates) or nothing is compiled (the torch twins)."""
+        if self.kernels is not TRITON or not op.is_program:
+            return []
+        return launch_row_counts(op.program, F, self.zeros.device, most)
 
     def _affine_write(self, op: AffineWrite, x, rows, table_index, out, dest, renorm) -> None:
         zeros = self.zeros[: rows.numel()]

@@ -23,14 +23,13 @@ rounds on any server). A run is `vllm bench serve` called in this process: rando
 `--input-len` ids, `--output-len` tokens each (ignore_eos), `--prompts-per-client` x concurrency
 prompts, at most `concurrency` in flight. Each run's result JSON is kept whole; per mode and
 metric the median of its rounds and its ratio to native's (`bench.serving.against`: also the
-paired ratio per round and the spread). The Triton cache's entries are counted before the first
-request, after the warm-up and at the end (kernels compiled while serving show as new entries);
-one request choosing all seven apps checks that reads come back. Results are written after every
+paired ratio per round and the spread). Every server runs vLLM's kernel JIT monitor verbose: its
+warnings of a kernel compiled while serving are counted per server before the first request, after
+each warm-up and at the end; one request choosing all seven apps checks that reads come back. Results are written after every
 run, so a run cut short still leaves what it measured.
 """
 import argparse
 import json
-import os
 import platform
 import socket
 import statistics
@@ -85,6 +84,7 @@ def server_args(args, port: int) -> list[str]:
     else:  # the CPU harness: a small KV cache, no compile
         memory = ["--kv-cache-memory-bytes", str(256 * 2**20), "--enforce-eager"]
     return [args.model, "--dtype", args.dtype, "--max-model-len", str(args.max_model_len), "--port", str(port),
+            "--jit-monitor-verbose",
             "--max-num-seqs", str(max(args.concurrency)), *memory, *extra]
 
 
@@ -99,8 +99,8 @@ def export_seven(args, folder: str) -> str:
     from xmix_lens import HookedServedModel
 
     kwargs = {"load_format": "dummy"} if args.dummy else {}
-    if _on_gpu():
-        kwargs["gpu_memory_utilization"] = 0.15
+    if _on_gpu():  # its KV cache given: the native servers start beside it
+        kwargs.update(gpu_memory_utilization=0.15, kv_cache_memory_bytes=1 << 30)
     model = HookedServedModel.from_pretrained(args.model, dtype=args.dtype, max_model_len=min(512, args.max_model_len),
                                               enforce_eager=True,
                                               **kwargs)
@@ -141,6 +141,7 @@ class Server:
 
 
 def start_servers(args, servers: set[str], config: str | None, logs: Path) -> dict[str, Server]:
+    """The servers started (not waited for); `config`: the xmix server's apps."""
     from xmix_lens.model import own_process_environment
 
     env = own_process_environment()
@@ -154,8 +155,6 @@ def start_servers(args, servers: set[str], config: str | None, logs: Path) -> di
             command = [sys.executable, "-m", "xmix_lens.backend.vllm.serve_main", *server_args(args, port)]
             server_env = {**env, "VLLM_PLUGINS": ""}  # no xmix-lens plugin: vLLM as it ships
         started[name] = Server(name, command, port, logs / f"{name}.log", server_env)
-    for server in started.values():
-        server.wait_ready()
     return started
 
 
@@ -194,9 +193,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def triton_cache_entries() -> int:
-    cache = Path(os.environ.get("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache"))
-    return sum(1 for _ in cache.iterdir()) if cache.is_dir() else 0
+def compiled_while_serving(servers: dict) -> dict[str, int]:
+    """Per server, the kernels its JIT monitor saw compiled after the server's warm-up (vLLM's own)."""
+    return {name: s.log_path.read_text().count("JIT compilation during inference") for name, s in servers.items()}
 
 
 def seven_reads(args, server: Server) -> dict:
@@ -242,21 +241,23 @@ def main(argv=None) -> dict:
               "commit": args.commit, "machine": platform.node(),
               "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
               "versions": {"vllm": vllm.__version__, "torch": torch.__version__},
-              "runs": {}, "triton_cache_entries": {}}
+              "runs": {}, "compiled_while_serving": {}}
     logs = Path(args.logs or (Path(args.out).parent if args.out else tempfile.mkdtemp()))
     logs.mkdir(parents=True, exist_ok=True)
     needs = {MODES[m][0] for m in args.modes} | {"native"}
-    config = args.config
-    if "xmix" in needs and config is None:
-        config = export_seven(args, tempfile.mkdtemp(prefix="seven-"))
-    servers = start_servers(args, needs, config, logs)
+    servers = start_servers(args, needs - {"xmix"}, None, logs)  # the native ones start while the apps export
     try:
-        result["triton_cache_entries"]["ready"] = triton_cache_entries()
+        if "xmix" in needs:
+            config = args.config or export_seven(args, tempfile.mkdtemp(prefix="seven-"))
+            servers.update(start_servers(args, {"xmix"}, config, logs))
+        for server in servers.values():
+            server.wait_ready()
+        result["compiled_while_serving"]["ready"] = compiled_while_serving(servers)
         modes = ["native", *[m for m in args.modes if m != "native"]]
         for c in args.concurrency:
             for mode in modes:  # warm-up, not timed
                 run(args, servers, mode, c, c, args.seed + 100_000 + c)
-            result["triton_cache_entries"][f"warm_{c}"] = triton_cache_entries()
+            result["compiled_while_serving"][f"warm_{c}"] = compiled_while_serving(servers)
             result["runs"][c] = {mode: [] for mode in modes}
             for r in range(args.rounds):
                 for mode in (modes if r % 2 == 0 else modes[::-1]):
@@ -264,7 +265,7 @@ def main(argv=None) -> dict:
                     result["runs"][c][mode].append(run(args, servers, mode, c, prompts, args.seed + 1000 * r + c))
                     result["summary"] = summarise(result["runs"])
                     write_result(result, args.out)
-        result["triton_cache_entries"]["end"] = triton_cache_entries()
+        result["compiled_while_serving"]["end"] = compiled_while_serving(servers)
         if "xmix" in servers:
             result["seven_reads"] = seven_reads(args, servers["xmix"])
         write_result(result, args.out)

@@ -49,7 +49,7 @@ def row_warps(tile: int) -> int:
 
 # K == 1 (one direction) is the common case, and Triton's default specialisation of arguments
 # equal to 1 made that kernel 2x slower on an H200 than K == 2: keep K a plain runtime value.
-@triton.jit(do_not_specialize=["K"])
+@triton.jit(do_not_specialize=["R", "K"])  # R: a step's rows, a kernel for every count
 def affine_write_kernel(
     x_ptr, x_row_stride, rows_ptr, R, F, K,
     scale_ptr, scale_idx_ptr, bias_ptr, bias_idx_ptr, u_ptr, v_ptr,

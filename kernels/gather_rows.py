@@ -20,7 +20,7 @@ BLOCK_ROWS = 32
 BLOCK_FEATURES = 128
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])  # R: a step's rows, a kernel for every count
 def gather_rows_kernel(
     x_ptr, x_row_stride, rows_ptr, out_ptr, out_row_stride, dest_ptr, R, F,
     BLOCK_ROWS: tl.constexpr, BLOCK_FEATURES: tl.constexpr,

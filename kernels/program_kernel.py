@@ -66,7 +66,7 @@ The math is fp32; the result is cast to the destination's dtype.
 
 Example: steering through a gate, x + relu(x . d) * v with F = 200, generates
 
-    @triton.jit
+    @triton.jit(do_not_specialize=('R',))
     def program_kernel(
         x_ptr, x_row_stride, rows_ptr, R, table_index_ptr, out_ptr, out_row_stride, dest_ptr, scratch_ptr,
         weight_ptr, eps,
@@ -226,6 +226,19 @@ def generate_kernel(program, F: int) -> tuple[GeneratedKernel, float]:
     kernel = _kernels[key] = GeneratedKernel(checked, source, path, fn, seconds)
     log.info("generated the kernel of a %d-op program in %.3f s: %s", len(checked.ops), seconds, path)
     return kernel, seconds
+
+
+def launch_row_counts(program, F: int, device: torch.device, most: int) -> list[int]:
+    """A row count for each launch configuration (the rows a program takes at a time, the split of
+    its matmuls) that launches of 1 to `most` rows take on `device`. Triton compiles a kernel per
+    configuration at its first launch (the row count itself is not specialised: NOT_SPECIALIZED), so
+    one launch at each of these compiles every kernel that serving can need."""
+    kernel_plan = generate_kernel(program, F)[0].plan
+    configurations = {}
+    for R in range(1, most + 1):
+        split = split_count(kernel_plan.F, R, device) if kernel_plan.split else 1
+        configurations.setdefault((launch_block_rows(kernel_plan, R, device), split), R)
+    return sorted(configurations.values())
 
 
 def run_program(x, rows, program, table_index, out=None, dest=None, renorm: Renorm | None = None) -> None:

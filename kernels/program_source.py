@@ -23,6 +23,10 @@ from ..ops import OPS
 from .program_format import ARGS, NUMBER, Plan, dot_tile, narrow_tile, x_held
 
 CACHE_DIR = Path(tempfile.gettempdir()) / "xmix_lens_generated"
+# integer arguments that change with every step's row count: specialising on them (Triton compiles
+# a kernel apart for 1 and for multiples of 16) compiled kernels while serving
+NOT_SPECIALIZED = ("R",)
+SPLIT_NOT_SPECIALIZED = ("partial_split_stride",)
 
 _UNARY_CODE = {
     "neg": "-{a}", "abs": "tl.abs({a})", "relu": "tl.maximum({a}, 0.0)", "sigmoid": "tl.sigmoid({a})",
@@ -303,7 +307,8 @@ class Source:
             *(["from xmix_lens.kernels.split_matmul import arrived_last, store_partial_product"] if plan.split else []),
             "",
             "",
-            "@triton.jit",
+            # a launch's row count changes every step: one compiled kernel for all of them
+            f"@triton.jit(do_not_specialize={NOT_SPECIALIZED + (SPLIT_NOT_SPECIALIZED if plan.split else ())!r})",
             "def program_kernel(",
             "    x_ptr, x_row_stride, rows_ptr, R, table_index_ptr, out_ptr, out_row_stride, dest_ptr, scratch_ptr,",
             *(["    weight_ptr, eps,"] if writable else []),

@@ -35,7 +35,7 @@ MAX_BLOCK_OUTPUTS = 64
 
 # K == 1 (one probe) is common, and Triton's default specialisation of arguments equal to 1 made
 # that kernel 3x slower on an H200 than K == 2: keep K a plain runtime value.
-@triton.jit(do_not_specialize=["K"])
+@triton.jit(do_not_specialize=["R", "K"])  # R: a step's rows, a kernel for every count
 def project_read_kernel(
     x_ptr, x_row_stride, rows_ptr, w_ptr, b_ptr, out_ptr, out_row_stride, dest_ptr, R, F, K,
     BLOCK_ROWS: tl.constexpr, BLOCK_FEATURES: tl.constexpr, BLOCK_OUTPUTS: tl.constexpr,

@@ -302,4 +302,5 @@ def test_served_harness_times_every_mode_against_native_servers(tmp_path):
         r["mean_itl_ms"] for r in runs["native"])
     assert set(result["seven_reads"]) == {"probe_read", "sae_features"}  # the two reading apps
     assert all(r["positions"] == [15] for outs in result["seven_reads"].values() for r in outs.values())
+    assert set(result["compiled_while_serving"]["end"]) == {"native", "xmix"}  # each server's JIT monitor, read
     assert result["command"].startswith("python -m bench.served")

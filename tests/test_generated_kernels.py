@@ -215,6 +215,26 @@ def test_a_launch_of_few_rows_on_a_gpu_gives_its_programs_fewer(gen, monkeypatch
     assert program_kernel.launch_block_rows(gate, 32, torch.device("cpu")) == 4
 
 
+def test_launch_row_counts_reach_every_launch_configuration_once(gen, monkeypatch):
+    """launch_row_counts: one row count per (rows a program takes, split of the matmuls of x) that
+    launches of 1 to 8,192 rows take on a GPU of 132 SMs, each configuration once; one on the CPU."""
+    monkeypatch.setattr(program_kernel, "sm_count", lambda device: 132)
+    monkeypatch.setattr(split_matmul, "sm_count", lambda device: 132)
+    gpu, most = torch.device("cuda", 0), 8192
+    for make in (matmul_gate, sae_feature_read):
+        program = make(4096, gen)
+        kernel_plan = program_kernel.generate_kernel(program, 4096)[0].plan
+
+        def configuration(R):
+            return (program_kernel.launch_block_rows(kernel_plan, R, gpu),
+                    split_matmul.split_count(kernel_plan.F, R, gpu) if kernel_plan.split else 1)
+
+        counts = program_kernel.launch_row_counts(program, 4096, gpu, most)
+        reached = {configuration(R) for R in range(1, most + 1)}
+        assert len(reached) > 1 and sorted(map(configuration, counts)) == sorted(reached)
+        assert program_kernel.launch_row_counts(program, 4096, torch.device("cpu"), most) == [1]
+
+
 def test_fewer_rows_for_tl_dot_or_not_a_power_of_two_are_refused(gen):
     x, rows = randn(4, 64, gen=gen), torch.arange(4, dtype=torch.int32)
     program = sae_clamp(64, gen)

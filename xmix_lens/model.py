@@ -494,17 +494,19 @@ class HookedServedModel(HookedRoot):
         def keep_residual(act, hook):
             kept["residual"] = act.detach()
 
-        added = []
-        try:
-            if first:
-                added.append((names[first], self.hook_dict[names[first]].add_hook(write_residual, prepend=True)))
-            if keep_at is not None:
-                added.append((keep_at, self.hook_dict[keep_at].add_hook(keep_residual)))
-            with self.silenced(names[:first] + names[end:]):
+        # silenced first: the residual's own hooks go into the set-aside lists' place (keep_at is
+        # the first silenced point), and leave with them
+        with self.silenced(names[:first] + names[end:]):
+            added = []
+            try:
+                if first:
+                    added.append((names[first], self.hook_dict[names[first]].add_hook(write_residual, prepend=True)))
+                if keep_at is not None:
+                    added.append((keep_at, self.hook_dict[keep_at].add_hook(keep_residual)))
                 result = self.forward(input, return_type=return_type, **kwargs)
-        finally:
-            for name, handle in added:
-                self.hook_dict[name].fwd_hooks.remove(handle)
+            finally:
+                for name, handle in added:
+                    self.hook_dict[name].fwd_hooks.remove(handle)
         return kept["residual"] if kept else result
 
     @one_call_at_a_time

@@ -213,22 +213,23 @@ def seven_reads(args, server: Server) -> dict:
 
 def summarise(runs: dict) -> dict:
     """Per concurrency, mode and metric: the median of its rounds and its ratio to native's
-    (`against`), and to native_twin's where there is one."""
+    (`against`), and to native_twin's where there is one; over the rounds every mode finished."""
     summary = {}
     for concurrency, by_mode in runs.items():
+        n = min(map(len, by_mode.values()))
+        if not n:
+            continue
         rows = {}
         for mode, rounds in by_mode.items():
-            if not rounds or "native" not in by_mode or len(by_mode["native"]) != len(rounds):
-                continue
             row = {}
             for m in METRICS:
-                values = [r[m] for r in rounds]
-                row[m] = {"median": statistics.median(values), **against(values, [r[m] for r in by_mode["native"]])}
-                twin = by_mode.get("native_twin", [])
-                if mode not in ("native", "native_twin") and len(twin) == len(rounds):
-                    row[m]["against_twin"] = against(values, [r[m] for r in twin])["ratio"]
+                values = [r[m] for r in rounds[:n]]
+                row[m] = {"median": statistics.median(values),
+                          **against(values, [r[m] for r in by_mode["native"][:n]])}
+                if "native_twin" in by_mode and mode not in ("native", "native_twin"):
+                    row[m]["against_twin"] = against(values, [r[m] for r in by_mode["native_twin"][:n]])["ratio"]
             rows[mode] = row
-        summary[concurrency] = rows
+        summary[concurrency] = {"rounds": n, "modes": rows}
     return summary
 
 
@@ -278,6 +279,6 @@ def main(argv=None) -> dict:
 if __name__ == "__main__":
     summary = main()["summary"]
     for c, rows in summary.items():
-        for mode, row in rows.items():
+        for mode, row in rows["modes"].items():
             print(c, mode, {m: round(row[m]["ratio"], 4) for m in ("mean_itl_ms", "p99_itl_ms", "mean_ttft_ms",
                                                                    "output_throughput")})

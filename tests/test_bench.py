@@ -297,7 +297,8 @@ def test_served_harness_times_every_mode_against_native_servers(tmp_path):
     assert set(runs) == {"native", "none", "seven"}
     for mode, rounds in runs.items():
         assert len(rounds) == 2 and all(r["completed"] == 4 and r["mean_itl_ms"] > 0 for r in rounds)
-    ratio = result["summary"][2]["seven"]["mean_itl_ms"]["ratio"]
+    assert result["summary"][2]["rounds"] == 2
+    ratio = result["summary"][2]["modes"]["seven"]["mean_itl_ms"]["ratio"]
     assert ratio == statistics.median(r["mean_itl_ms"] for r in runs["seven"]) / statistics.median(
         r["mean_itl_ms"] for r in runs["native"])
     assert set(result["seven_reads"]) == {"probe_read", "sae_features"}  # the two reading apps

@@ -5,7 +5,6 @@ request that chooses no app gets what a server without xmix-lens's config gives;
 streamed or not; bad choices are HTTP 400; the prefix cache is never shared across choices; a bad
 config, or a config without the API server's check, stops the server at start-up with the reason."""
 import json
-import os
 import random
 import re
 import shutil

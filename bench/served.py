@@ -111,25 +111,33 @@ def export_seven(args, folder: str) -> str:
 
 
 class Server:
-    """A server subprocess and its log."""
+    """A server subprocess, its output in a file (`log_path`); `wait_ready` polls /v1/models. Its
+    environment: this process's less the in-process engine's settings (a server has its own), and `env`."""
 
-    def __init__(self, name: str, command: list[str], port: int, log: Path, env: dict):
-        self.name, self.port, self.log_path = name, port, log
-        self.log = open(log, "w")
-        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=env,
-                                        start_new_session=True)
+    def __init__(self, command: list[str], log_path: Path, port: int, env: dict | None = None):
+        from xmix_lens.model import own_process_environment
 
-    def wait_ready(self, timeout: float = 600) -> None:
+        self.port, self.log_path = port, Path(log_path)
+        self.log = open(log_path, "w")
+        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT,
+                                        env={**own_process_environment(), **(env or {})})
+
+    def wait_ready(self, timeout: float = 600) -> bool:
+        """True once it answers; False if it exited first."""
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"{self.name} server exited: {self.log_path.read_text()[-3000:]}")
+                return False
             try:
                 urllib.request.urlopen(f"http://127.0.0.1:{self.port}/v1/models", timeout=2)
-                return
+                return True
             except OSError:
                 time.sleep(1)
-        raise TimeoutError(f"{self.name} server not ready in {timeout} s")
+        raise TimeoutError(f"no answer in {timeout} s; its output: {self.output()[-3000:]}")
+
+    def output(self) -> str:
+        self.log.flush()
+        return self.log_path.read_text()
 
     def stop(self) -> None:
         self.process.terminate()
@@ -142,19 +150,16 @@ class Server:
 
 def start_servers(args, servers: set[str], config: str | None, logs: Path) -> dict[str, Server]:
     """The servers started (not waited for); `config`: the xmix server's apps."""
-    from xmix_lens.model import own_process_environment
-
-    env = own_process_environment()
     started = {}
     for name in sorted(servers):
         port = free_port()
         if name == "xmix":
             command = [sys.executable, "-m", "xmix_lens.cli", "serve", config, "--", *server_args(args, port)]
-            server_env = env
+            env = {}
         else:
             command = [sys.executable, "-m", "xmix_lens.backend.vllm.serve_main", *server_args(args, port)]
-            server_env = {**env, "VLLM_PLUGINS": ""}  # no xmix-lens plugin: vLLM as it ships
-        started[name] = Server(name, command, port, logs / f"{name}.log", server_env)
+            env = {"VLLM_PLUGINS": ""}  # no xmix-lens plugin: vLLM as it ships
+        started[name] = Server(command, logs / f"{name}.log", port, env)
     return started
 
 
@@ -251,8 +256,9 @@ def main(argv=None) -> dict:
         if "xmix" in needs:
             config = args.config or export_seven(args, tempfile.mkdtemp(prefix="seven-"))
             servers.update(start_servers(args, {"xmix"}, config, logs))
-        for server in servers.values():
-            server.wait_ready()
+        for name, server in servers.items():
+            if not server.wait_ready():
+                raise RuntimeError(f"the {name} server exited: {server.output()[-3000:]}")
         result["compiled_while_serving"]["ready"] = compiled_while_serving(servers)
         modes = ["native", *[m for m in args.modes if m != "native"]]
         for c in args.concurrency:

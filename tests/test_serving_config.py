@@ -8,8 +8,6 @@ import json
 import random
 import re
 import shutil
-import socket
-import subprocess
 import sys
 import time
 import urllib.request
@@ -19,9 +17,10 @@ import openai
 import pytest
 import torch
 
+from bench import served
+from bench.served import free_port
 from tests.test_app_config import installed, make_apps
 from tests.tiny_models import tiny_llama
-from xmix_lens.model import own_process_environment
 from xmix_lens.request_choice import APPS_KEY, READS_KEY
 
 PROMPTS = ["Hello World! How are you", "The capital of France is"]
@@ -29,39 +28,11 @@ MAX_TOKENS = 8
 START_TIMEOUT = 300  # seconds: an eager tiny-model server starts in about 40 s here
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """A server subprocess, its output in a file; `wait_ready` polls /v1/models."""
-
-    def __init__(self, command: list[str], log_path, port: int):
-        self.port, self.log_path = port, log_path
-        # not this process's in-process settings (model.IN_PROCESS_ENVIRONMENT): a server has its own
-        env = own_process_environment()
-        self.log = open(log_path, "w")
-        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+class Server(served.Server):
+    """bench/served.py's server subprocess, with the openai client's calls the tests make."""
 
     def wait_ready(self) -> bool:
-        """True once it answers; False if it exited first."""
-        deadline = time.time() + START_TIMEOUT
-        while time.time() < deadline:
-            if self.process.poll() is not None:
-                return False
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{self.port}/v1/models", timeout=2)
-                return True
-            except OSError:
-                time.sleep(1)
-        raise TimeoutError(f"no answer in {START_TIMEOUT} s; its output: {self.output()[-3000:]}")
-
-    def output(self) -> str:
-        self.log.flush()
-        with open(self.log_path) as f:
-            return f.read()
+        return super().wait_ready(START_TIMEOUT)
 
     def client(self):
         return openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="unused")
@@ -86,13 +57,6 @@ class Server:
             return out.choices[0].message.content
         return "".join(chunk.choices[0].delta.content or "" for chunk in out if chunk.choices)
 
-    def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(60)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-        self.log.close()
 
 
 def vllm_args(model: str, port: int) -> list[str]:

@@ -803,3 +803,50 @@ def test_reads_are_kept_in_the_model_dtype(served):
     positions, values = plane.take_results(["r0"])[0][("probe", op.op.key)]
     assert op.step_values.dtype == values.dtype == torch.bfloat16
     assert torch.equal(values, written) and positions.tolist() == [5, 6, 7]
+
+
+def test_resident_kernels_are_compiled_at_every_launch_configuration_before_their_first_step(served, monkeypatch):
+    """ControlPlane._compile_ahead: at a resident op's first launch outside a CUDA-graph capture, its
+    generated kernel is launched at each row count `launch_row_counts` gives (every launch
+    configuration; scripted here, the CPU has one), on rows all gated off: nothing is written (x and
+    a read's step values stay as they were), once per op; the step that follows gives what the torch
+    twins give. The Triton kernels run in the interpreter."""
+    from xmix_lens.backend import executor
+    from xmix_lens.backend.control import ControlPlane
+
+    model = served[MODEL]
+    runtime = model.engine.runtime
+    u = vector(model.cfg.d_model, 5)
+    site = "blocks.1.hook_resid_post"
+    hooks = {"gate": [(site, lambda act, hook: act + torch.relu(act @ u)[..., None] * u)],
+             "features": [(site, lambda act, hook: kept.update(f=torch.relu(act @ torch.stack([u, -u], 1))))]}
+    kept, asked = {}, []
+    monkeypatch.setattr(executor, "launch_row_counts", lambda program, F, device, most: asked.append(F) or [1, 16, 33])
+
+    def plane_with(kernels):
+        plane = ControlPlane(torch.device("cpu"), 64)
+        plane.executor.kernels = kernels
+        for name, fwd_hooks in hooks.items():
+            plane.install(name, runtime._place_all(model.planner.lower_app(name, fwd_hooks).ops, resident=True))
+        return plane
+
+    triton_plane, twin_plane = plane_with(executor.TRITON), plane_with(executor.TORCH)
+    assert all(entry.op.is_program for entry in triton_plane.ops)
+    site_id = next(iter(triton_plane.by_site))
+    x = torch.randn(6, model.cfg.d_model, generator=torch.Generator().manual_seed(0))
+    idle = x.clone()
+    triton_plane.launch(idle, site_id)  # no request chose an app: only the compile-ahead launches ran
+    assert asked == [model.cfg.d_model] * 2 and all(entry.compiled for entry in triton_plane.ops)
+    assert torch.equal(idle, x) and all(not entry.step_values.any() for entry in triton_plane.ops
+                                        if entry.step_values is not None)
+    outputs = []
+    for plane in (triton_plane, twin_plane):
+        plane.select("r0", list(hooks))
+        plane.prepare_step(["r0"], [0, 6], 6, [0])
+        x_step = x.clone()
+        plane.launch(x_step, site_id)
+        outputs.append([x_step] + [entry.step_values[:6].clone() for entry in plane.ops if entry.step_values is not None])
+    assert len(asked) == 2  # once per op
+    for ours, twins in zip(*outputs):
+        torch.testing.assert_close(ours, twins, atol=1e-5, rtol=1e-5)
+    assert not torch.equal(outputs[0][0], x)  # the gate wrote

@@ -15,7 +15,7 @@ import torch
 
 from xmix_lens.backend.vllm.sites import site_table
 from xmix_lens.kernels import Renorm
-from xmix_lens.lowered import AffineWrite, GeneratedRead, GeneratedWrite, Read, named_tensors
+from xmix_lens.lowered import named_tensors
 
 H200_BYTES_PER_S = 4.8e12  # HBM3e
 
@@ -63,20 +63,20 @@ def renormalized_sites(family: str, n_layers: int, site_id: dict[str, int]) -> s
 
 def site_width(op) -> int:
     """The features of x at the op's site."""
-    if isinstance(op, AffineWrite):
-        return op.scale.shape[-1]
-    if isinstance(op, (GeneratedWrite, GeneratedRead)):
+    if op.is_program:
         return next(o.shape[0] for o in op.program.ops if o.op == "x")
+    if op.writes:  # an affine write: a scale per feature
+        return op.scale.shape[-1]
     return op.W.shape[0] if op.W is not None else math.prod(op.feature_shape)
 
 
 def describe(op) -> str:
-    if isinstance(op, AffineWrite):
+    if op.is_program:
+        kinds = sorted({o.op for o in op.program.ops} - {"x", "const"})
+        return f"program_kernel {'write' if op.writes else 'read'} ({', '.join(kinds)})"
+    if op.writes:
         return f"affine_write (rank {op.U.shape[1]})"
-    if isinstance(op, Read):
-        return "gather_rows" if op.W is None else f"project_read ({op.W.shape[1]} outputs)"
-    kinds = sorted({o.op for o in op.program.ops} - {"x", "const"})
-    return f"program_kernel {'write' if isinstance(op, GeneratedWrite) else 'read'} ({', '.join(kinds)})"
+    return "gather_rows" if op.W is None else f"project_read ({op.W.shape[1]} outputs)"
 
 
 def _empty_launch(device):

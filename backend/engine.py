@@ -20,8 +20,9 @@ from xmix_lens.passes import PassPlan
 
 @dataclass
 class PassResults:
-    """What a finished pass read, on the host: each read key's value in its traced shape, and per
-    row (by `row` order) what the row's installed apps read: (app, read key) -> (positions, values)."""
+    """What a finished pass read: each read key's value in its traced shape (on the engine's device
+    where the engine runs in this process, else on the host), and per row (by `row` order) what the
+    row's installed apps read: (app, read key) -> (positions, values)."""
 
     values: dict[object, torch.Tensor]
     app_results: list[dict]
@@ -81,6 +82,11 @@ class Engine(Protocol):
     def unembed(self, normalized: torch.Tensor, next_tokens: torch.Tensor | None = None,
                 logits: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Logits [B, P, d_vocab] and next-token NLL [B, P - 1] from a read of unembed.hook_in."""
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """The engine's own weights under the Hugging Face checkpoint's names, without a copy (views in
+        the engine's layout: a linear layer's [out, in]; vocabulary rows may be padded); those it
+        does not keep in that form are absent."""
 
     def why_not_resident(self, name: str, ops_by_hook_point: dict) -> str | None:
         """Why an app's lowered ops cannot be resident (they are not per token), or None."""

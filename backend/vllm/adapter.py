@@ -38,6 +38,7 @@ def bind(llm):
         return None, RemoteRuntime(llm)
     runtime = bind_runner(runner)
     runtime.uncompiled_kernels = PlatformKernels(runner.model).running
+    runtime.reads_on_device = True  # the caller shares this process: its results stay on the device
     return runner, runtime
 
 

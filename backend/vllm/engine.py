@@ -22,18 +22,18 @@ from xmix_lens.passes import PassPlan
 from . import adapter, remote
 from .. import control
 from ..engine import PassOutcome, ServedRequest, ServedResult
-from .sites import unembedding
+from .sites import checkpoint_tensors, unembedding
 
 
 class VllmEngine:
     """vLLM's engine behind the contract of backend/engine.py (`Engine`)."""
 
-    def __init__(self, llm, runtime, unembed: tuple[torch.Tensor, torch.Tensor]):
+    def __init__(self, llm, runtime, unembed: tuple[torch.Tensor, torch.Tensor], model=None):
         self.llm, self.runtime = llm, runtime
-        # unembed.hook_in (the final norm's output) -> logits: vLLM's lm_head in fp32, on the device
-        # of an in-process engine where it fits beside vLLM's share of the memory (a call's logits
-        # and losses are computed there: `unembed`), else on the host
-        self.W_U, self.b_U = (t.to(_unembedding_device(runtime.device, unembed[0])) for t in unembed)
+        self.model = model  # vLLM's model where it lives in this process (one rank), else None
+        # unembed.hook_in (the final norm's output) -> logits: vLLM's lm_head, the engine's own tensor
+        # (a view) where the engine runs in this process, where a call's logits and losses are computed
+        self.W_U, self.b_U = unembed
         self.last_run_stats: dict = {}  # requests, prompt tokens and prefix-cache hits of the last run
 
     @classmethod
@@ -63,7 +63,7 @@ class VllmEngine:
             unembed = unembedding(runner.model, d_vocab)
         else:  # every rank takes part in gathering the vocabulary shards; rank 0's answer
             unembed = llm.collective_rpc(remote.unembedding_of, args=(d_vocab,))[0]
-        return cls(llm, runtime, unembed)
+        return cls(llm, runtime, unembed, runner.model if runner is not None else None)
 
     @property
     def max_model_len(self) -> int:
@@ -77,6 +77,11 @@ class VllmEngine:
     @property
     def device(self) -> torch.device:
         return self.runtime.device
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """The engine's own weights under the checkpoint's names, as views (sites.checkpoint_tensors);
+        empty where the model lives in other processes (TP)."""
+        return {} if self.model is None else checkpoint_tensors(self.model)
 
     def shutdown(self) -> None:
         """Stop the engine's workers (under TP, its worker processes exit). Other engines in this
@@ -215,43 +220,37 @@ class VllmEngine:
             if pending:
                 engine.abort_request(list(pending))
 
-    UNEMBED_BLOCK = 1 << 28  # logits computed at once on the device: 1 GiB of fp32
+    UNEMBED_BLOCK = 1 << 28  # logits computed at once in fp32: 1 GiB
 
     def unembed(self, normalized: torch.Tensor, next_tokens: torch.Tensor | None = None,
                 logits: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """From a read of unembed.hook_in [B, P, d_model] (vLLM computes logits only where it
-        samples): the logits [B, P, d_vocab] on the host if `logits`, and given `next_tokens`
-        [B, P - 1] each position's negative log-likelihood of its next token [B, P - 1]. Computed
-        on the engine's device a block of rows at a time; only what is asked for comes back."""
+        samples): the logits [B, P, d_vocab] in its dtype if `logits`, and given `next_tokens`
+        [B, P - 1] each position's negative log-likelihood of its next token [B, P - 1] in fp32.
+        Both on the device of W_U (the engine's), computed a block of rows at a time from the fp32
+        product; only what is asked for is kept."""
         B, P, d_model = normalized.shape
-        V = self.W_U.shape[1]
+        W_U, device = self.W_U, self.W_U.device
+        V = W_U.shape[1]
         rows = max(1, self.UNEMBED_BLOCK // (P * V))
-        all_logits = torch.empty(B, P, V) if logits else None
-        nll = torch.empty(B, P - 1) if next_tokens is not None else None
-        # A half-precision model's activations and lm_head hold values of its dtype exactly, so on a
-        # GPU the product runs in that dtype on the tensor cores, accumulated and returned in fp32:
-        # the fp32 product's values, up to summation order, several times faster (cuBLAS's fp32 GEMM)
-        half = self.W_U.is_cuda and normalized.dtype in (torch.float16, torch.bfloat16)
-        W_U = self.W_U.to(normalized.dtype) if half else self.W_U
+        all_logits = torch.empty(B, P, V, dtype=normalized.dtype, device=device) if logits else None
+        nll = torch.empty(B, P - 1, device=device) if next_tokens is not None else None
+        # half-precision activations and lm_head hold values of their dtype exactly: on a GPU the
+        # product runs in that dtype on the tensor cores, accumulated and returned in fp32 (the fp32
+        # product's values up to summation order, several times faster than cuBLAS's fp32 GEMM)
+        tensor_cores = W_U.is_cuda and W_U.dtype in (torch.float16, torch.bfloat16)
+        if not tensor_cores:
+            W_U = W_U.float()
+        b_U = self.b_U.float()
         for r in range(0, B, rows):
-            x = normalized[r:r + rows].to(W_U.device, W_U.dtype).reshape(-1, d_model)
-            block = (torch.mm(x, W_U, out_dtype=torch.float32) if half else x @ W_U).view(-1, P, V) + self.b_U
+            x = normalized[r:r + rows].to(device, W_U.dtype).reshape(-1, d_model)
+            block = (torch.mm(x, W_U, out_dtype=torch.float32) if tensor_cores else x @ W_U).view(-1, P, V) + b_U
             if logits:
-                all_logits[r:r + rows] = block.cpu()
+                all_logits[r:r + rows] = block
             if next_tokens is not None:
-                targets = next_tokens[r:r + rows].to(block.device)
-                log_probs = block[:, :-1].log_softmax(-1)
-                nll[r:r + rows] = -log_probs.gather(-1, targets[..., None])[..., 0].cpu()
+                targets = next_tokens[r:r + rows].to(device)
+                nll[r:r + rows] = -block[:, :-1].log_softmax(-1).gather(-1, targets[..., None])[..., 0]
         return all_logits, nll
-
-
-def _unembedding_device(device: torch.device, W_U: torch.Tensor) -> torch.device:
-    """The engine's device if an fp32 W_U takes at most a quarter of its free memory (vLLM has taken
-    its share already: a 128k-vocabulary 8B model's is 2 GiB), else the host."""
-    if device.type != "cuda":
-        return device
-    free, _ = torch.cuda.mem_get_info(device)
-    return device if 4 * W_U.numel() * W_U.element_size() <= free else torch.device("cpu")
 
 
 def row_salts(plan: PassPlan) -> list[str | None]:

@@ -25,9 +25,10 @@ def on_runtime(worker, path: str, args: tuple | None):
 
 
 def unembedding_of(worker, d_vocab: int):
-    """Run in each worker: (W_U, b_U) on the host, the vocabulary gathered from every rank."""
+    """Run in each worker: (W_U, b_U) on the host (they cross to the driver), the vocabulary gathered
+    from every rank."""
     from .sites import unembedding
-    return unembedding(worker.model_runner.model, d_vocab)
+    return tuple(t.cpu().contiguous() for t in unembedding(worker.model_runner.model, d_vocab))
 
 
 class RemoteRuntime:

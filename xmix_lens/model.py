@@ -292,7 +292,7 @@ class HookedServedModel(HookedRoot):
         limit = self.engine.max_model_len if self.engine is not None else self.cfg.n_ctx
         if truncate and tokens.shape[1] > limit:
             tokens = tokens[:, :limit]
-        return tokens
+        return tokens.to(self.engine.device) if move_to_device and self.engine is not None else tokens
 
     def to_string(self, tokens) -> str | list[str]:
         tokens = torch.as_tensor(tokens)
@@ -455,6 +455,8 @@ class HookedServedModel(HookedRoot):
             raise ValueError("apps run in the engine, but this call runs in model.tl because hook points hold "
                              "backward hooks; run the apps in a call without backward hooks")
         self._tl_hooks.sync(self.tl, self.hook_dict, self.cfg)
+        if isinstance(input, torch.Tensor):  # model.tl lives on the engine's device
+            input = input.to(self.engine.device)
         return self.tl.forward(input, **kwargs)
 
     def _forward_between_layers(self, input, return_type, start_at_layer, stop_at_layer, tokens, **kwargs):

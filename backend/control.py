@@ -66,7 +66,7 @@ from xmix_lens.lowered import LoweredOp, TokenProgram, named_tensors, op_digest,
 
 from .executor import Executor
 from . import cudart
-from .messenger import HomeCopies, ReadArea, owners_range
+from .messenger import NOBODY, HomeCopies, ReadArea, owners_range
 from .sharding import Placed, on_site
 
 MAX_RESIDENT_APPS = 64  # control rows, one an app: its bit in a request's uint64 mask
@@ -179,6 +179,7 @@ class _Choices(NamedTuple):
     any_on: bool  # whether any request has an active app
     numbers: np.ndarray | None  # [requests]: each request's number in the read logs
     serial: int  # one per _Choices made: equal serials, equal choices
+    kept: tuple | None = None  # ([requests], [requests]) int64: the positions [first, end) whose reads go home; None: all
 
 
 @dataclass
@@ -334,6 +335,7 @@ class ControlPlane:
         self._free_slots = list(range(1, self.max_requests + 1))  # table rows for requests' own values
         self._slot: dict[str, tuple[int, frozenset]] = {}  # request id -> (its table row, apps that use it)
         self._prompt_len: dict[str, int] = {}  # request id -> its prompt's length (for prompt-level stores)
+        self._reads_kept: dict[str, tuple[int, int]] = {}  # request id -> the positions [first, end) its reads keep
 
     @property
     def ops(self) -> list[ResidentOp]:
@@ -458,9 +460,12 @@ class ControlPlane:
         for name in names:
             self._app(name)
 
-    def select(self, req_id: str, names, values: dict | None = None, prompt_len: int | None = None) -> None:
+    def select(self, req_id: str, names, values: dict | None = None, prompt_len: int | None = None,
+               reads_kept: tuple[int, int] | None = None) -> None:
         """A request's apps; `values` {app: {param: value}}: its own values of their request params;
-        `prompt_len`: its prompt's length, which apps with prompt-level stores need."""
+        `prompt_len`: its prompt's length, which apps with prompt-level stores need; `reads_kept`:
+        the positions [first, end) whose reads go home (a served request that wants its prompt's end
+        only: none of its decode steps' values is copied, logged or searched), None: every position."""
         self.check_installed(names)
         storing = {app for app in names if self.apps[app].stores}
         if storing and prompt_len is None:
@@ -472,6 +477,10 @@ class ControlPlane:
         self._choices_version += 1
         if prompt_len is not None:
             self._prompt_len[req_id] = prompt_len
+        if reads_kept is None:
+            self._reads_kept.pop(req_id, None)
+        else:
+            self._reads_kept[req_id] = reads_kept
         valued = {app: v for app, v in (values or {}).items() if app in names and v}
         if (valued or storing) and req_id not in self._slot:  # a row of its own in the apps' tables
             if not self._free_slots:
@@ -513,6 +522,7 @@ class ControlPlane:
         self.selected.pop(req_id, None)
         self._request_bits.pop(req_id, None)
         self._number.pop(req_id, None)
+        self._reads_kept.pop(req_id, None)
         self.release_values(req_id)
         self._choices_version += 1
 
@@ -652,7 +662,9 @@ class ControlPlane:
             return
         if positions is None:
             positions = _positions(first_positions, query_start, n, n_tokens)
-        self._unqueued = _Step(self._read_plan, positions)
+        reads = self._read_plan if choices.kept is None else _kept_reads(self._read_plan, choices.kept, positions,
+                                                                         np.diff(query_start))
+        self._unqueued = _Step(reads, positions) if reads else None
 
     def _clear_stores(self, layout, starting: list[str]) -> None:
         """The store rows of requests whose position 0 this step computes (new, or recomputed)."""
@@ -762,9 +774,14 @@ class ControlPlane:
         chosen, default = self._request_bits, self._default_bits
         bits = np.fromiter((chosen.get(r, default) for r in req_ids), dtype=np.uint64, count=len(req_ids))
         numbers = self._request_numbers(req_ids) if need_numbers else None
+        kept = None
+        if need_numbers and self._reads_kept and not self._reads_kept.keys().isdisjoint(req_ids):
+            everything = (0, np.iinfo(np.int64).max)
+            first, end = np.array([self._reads_kept.get(r, everything) for r in req_ids], dtype=np.int64).reshape(-1, 2).T
+            kept = (first, end)
         self._choices_made += 1
         self._last_choices = _Choices(self._choices_version, list(req_ids), bits, bool(bits.any()), numbers,
-                                      self._choices_made)
+                                      self._choices_made, kept)
         return self._last_choices
 
     def _request_numbers(self, req_ids: list[str]) -> np.ndarray:
@@ -868,6 +885,22 @@ def _positions(first_positions, query_start: np.ndarray, n: int, n_tokens: int) 
         return np.array(first_positions[:n], dtype=np.int64)
     return np.repeat(np.asarray(first_positions[:n], dtype=np.int64) - query_start[:-1],
                      np.diff(query_start)) + np.arange(n_tokens, dtype=np.int64)
+
+
+def _kept_reads(plan: list, kept: tuple, positions: np.ndarray, per_request: np.ndarray) -> list:
+    """A step's read plan less the tokens at positions their requests keep no reads of (owner -1);
+    an area left with no owned token is left out (nothing of it goes home this step)."""
+    first, end = kept
+    inside = (positions >= np.repeat(first, per_request)) & (positions < np.repeat(end, per_request))
+    if inside.all():
+        return plan
+    reads = []
+    for area, owner, _ in plan:
+        owner = np.where(inside[:, None], owner, -1)
+        owners = owners_range(owner)
+        if owners != NOBODY:
+            reads.append((area, owner, owners))
+    return reads
 
 
 def _read_width(op: LoweredOp) -> int:

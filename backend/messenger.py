@@ -342,7 +342,12 @@ class ReadArea:
             return
         first, rows, owner, positions, owners, mark = move
         self.copies.wait(mark)
-        self.log.append(self._landing_np[slot, :rows], positions[first:first + rows], owner[first:first + rows], owners)
+        values, positions, owner = self._landing_np[slot, :rows], positions[first:first + rows], owner[first:first + rows]
+        owned = (owner >= 0).any(axis=1)
+        if not owned.all():  # rows of tokens no op keeps (reading apps off, or a position not kept) stay out of the log
+            kept = np.flatnonzero(owned)
+            values, positions, owner = values[kept], positions[kept], owner[kept]
+        self.log.append(values, positions, owner, owners)
 
     def settle(self) -> None:
         """Every landed row into the log (waits for copies not done yet)."""

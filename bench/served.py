@@ -25,11 +25,15 @@ prompts, at most `concurrency` in flight. Each run's result JSON is kept whole; 
 metric the median of its rounds and its ratio to native's (`bench.serving.against`: also the
 paired ratio per round and the spread). Every server runs vLLM's kernel JIT monitor verbose: its
 warnings of a kernel compiled while serving are counted per server before the first request, after
-each warm-up and at the end; one request choosing all seven apps checks that reads come back. Results are written after every
+each warm-up and at the end; one request choosing all seven apps checks that reads come back. Each
+run records its server's counters (`server_counters`: preemptions, read fetches and their time).
+`--profile` adds one untimed run of every mode per concurrency with each server process sampling
+its main thread (bench/sampler.py): the result's `profile` says where each process spent it. Results are written after every
 run, so a run cut short still leaves what it measured.
 """
 import argparse
 import json
+import os
 import platform
 import socket
 import statistics
@@ -40,7 +44,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from bench import write_result
+from bench import sampler, write_result
 from bench.serving import against
 
 SEVEN = ("steer", "ablate_direction", "conditional_steer", "head_ablation", "mlp_scale", "probe_read", "sae_features")
@@ -69,6 +73,8 @@ def parse(argv):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--logs", help="a folder for the servers' logs (default: beside --out)")
     p.add_argument("--commit", default="", help="the commit measured, recorded with the results")
+    p.add_argument("--profile", action="store_true", help="after each concurrency's rounds, one more run of "
+                   "every mode, untimed, with each server process sampling its main thread (bench/sampler.py)")
     p.add_argument("--out")
     args = p.parse_args(argv)
     args.model = str(Path(args.model).resolve())  # the name every server serves it under
@@ -149,8 +155,15 @@ class Server:
 
 
 def start_servers(args, servers: set[str], config: str | None, logs: Path) -> dict[str, Server]:
-    """The servers started (not waited for); `config`: the xmix server's apps."""
+    """The servers started (not waited for); `config`: the xmix server's apps. With --profile every
+    process of theirs samples itself while the profile folder's label file says so (bench/sampler.py)."""
     started = {}
+    sampled = {}
+    if args.profile:
+        root = Path(__file__).resolve().parents[1]
+        paths = [str(root), str(root / "bench" / "profile_site"), os.environ.get("PYTHONPATH", "")]
+        sampled = {sampler.ENV: str(logs / "profile"), "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
+        (logs / "profile").mkdir(exist_ok=True)
     for name in sorted(servers):
         port = free_port()
         if name == "xmix":
@@ -159,7 +172,7 @@ def start_servers(args, servers: set[str], config: str | None, logs: Path) -> di
         else:
             command = [sys.executable, "-m", "xmix_lens.backend.vllm.serve_main", *server_args(args, port)]
             env = {"VLLM_PLUGINS": ""}  # no xmix-lens plugin: vLLM as it ships
-        started[name] = Server(command, logs / f"{name}.log", port, env)
+        started[name] = Server(command, logs / f"{name}.log", port, {**env, **sampled})
     return started
 
 
@@ -186,10 +199,48 @@ def run(args, servers, mode: str, concurrency: int, prompts: int, seed: int) -> 
     from vllm.benchmarks.serve import main as bench_serve
 
     server_name, apps = MODES[mode]
+    before = server_counters(servers[server_name])
     result = bench_serve(bench_args(args, servers[server_name], concurrency, prompts, seed, apps))
     if result.get("failed"):
         raise RuntimeError(f"{mode} at {concurrency}: {result['failed']} requests failed")
-    return {k: v for k, v in result.items() if not isinstance(v, list)}
+    after = server_counters(servers[server_name])
+    return {**{k: v for k, v in result.items() if not isinstance(v, list)},
+            "server": {name: after[name] - before.get(name, 0.0) for name in after}}
+
+
+SERVER_COUNTERS = ("vllm:num_preemptions_total", "xmix_read_fetches_total", "xmix_read_fetch_engine_seconds_total",
+                   "xmix_read_wait_seconds_sum", "xmix_read_wait_seconds_count")
+
+
+def server_counters(server: Server) -> dict[str, float]:
+    """The server's counters of SERVER_COUNTERS on its /metrics (summed over their labels): a run's
+    differences say where the served time went (preemptions; read fetches, the engine's time in
+    them and the responses' wait for their reads)."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=30).read().decode()
+    totals = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        series, value = line.rsplit(" ", 1)
+        name = series.split("{", 1)[0]
+        if name in SERVER_COUNTERS:
+            totals[name] = totals.get(name, 0.0) + float(value)
+    return totals
+
+
+def profiled_runs(args, servers, modes: list[str], concurrency: int, folder: Path) -> dict:
+    """One run of each mode with its servers sampling themselves under the label "concurrency/mode"
+    (not among the timed rounds: the samples cost the sampled processes a little)."""
+    runs = {}
+    for mode in modes:
+        (folder / "label").write_text(f"{concurrency}/{mode}")
+        try:
+            runs[mode] = run(args, servers, mode, concurrency, args.prompts_per_client * concurrency,
+                             args.seed + 500_000 + concurrency)
+        finally:
+            (folder / "label").unlink()
+        time.sleep(2 * sampler.LABEL_CHECK_S)  # every sampler has seen the label go
+    return runs
 
 
 def free_port() -> int:
@@ -272,7 +323,13 @@ def main(argv=None) -> dict:
                     result["runs"][c][mode].append(run(args, servers, mode, c, prompts, args.seed + 1000 * r + c))
                     result["summary"] = summarise(result["runs"])
                     write_result(result, args.out)
+            if args.profile:
+                result.setdefault("profiled_runs", {})[c] = profiled_runs(args, servers, modes, c, logs / "profile")
+                write_result(result, args.out)
         result["compiled_while_serving"]["end"] = compiled_while_serving(servers)
+        if args.profile:
+            time.sleep(sampler.WRITE_S + 1)  # the samplers' last counts written
+            result["profile"] = sampler.summary(logs / "profile")
         if "xmix" in servers:
             result["seven_reads"] = seven_reads(args, servers["xmix"])
         write_result(result, args.out)

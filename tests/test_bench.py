@@ -291,7 +291,7 @@ def test_served_harness_times_every_mode_against_native_servers(tmp_path):
     out = tmp_path / "served.json"
     result = served.main(["--model", str(tiny_llama()), "--modes", "native", "none", "seven", "--concurrency", "2",
                           "--rounds", "2", "--prompts-per-client", "2", "--input-len", "16", "--output-len", "6",
-                          "--max-model-len", "128", "--dtype", "float32", "--out", str(out)])
+                          "--max-model-len", "128", "--dtype", "float32", "--profile", "--out", str(out)])
     assert json.loads(out.read_text())["summary"] == json.loads(json.dumps(result["summary"], default=bool))
     runs = result["runs"][2]
     assert set(runs) == {"native", "none", "seven"}
@@ -304,4 +304,14 @@ def test_served_harness_times_every_mode_against_native_servers(tmp_path):
     assert set(result["seven_reads"]) == {"probe_read", "sae_features"}  # the two reading apps
     assert all(r["positions"] == [15] for outs in result["seven_reads"].values() for r in outs.values())
     assert set(result["compiled_while_serving"]["end"]) == {"native", "xmix"}  # each server's JIT monitor, read
+    for r in runs["seven"]:  # each of the 4 responses waited for its reads once; fetched by one RPC or more
+        assert r["server"]["xmix_read_wait_seconds_count"] == 4 and r["server"]["xmix_read_fetches_total"] >= 1
+        assert 0 < r["server"]["xmix_read_fetch_engine_seconds_total"] < r["duration"]
+    assert all("xmix_read_fetches_total" not in r["server"] for r in runs["native"])  # no plugin there
+    # --profile: each server's API server and engine core sampled in its own modes' untimed runs
+    assert set(result["profiled_runs"][2]) == {"native", "none", "seven"}
+    sampled = {(p["label"], p["process"] == "MainProcess") for p in result["profile"] if p["samples"]}
+    assert sampled >= {("2/native", True), ("2/native", False), ("2/seven", True), ("2/seven", False)}
+    seven_engine = [p for p in result["profile"] if p["label"] == "2/seven" and p["process"] != "MainProcess"]
+    assert any(f.startswith("xmix:backend/") for p in seven_engine for f in p["xmix_inclusive"])  # its sites ran
     assert result["command"].startswith("python -m bench.served")

@@ -735,6 +735,42 @@ def test_steps_with_the_rows_of_the_step_before_copy_nothing_and_lose_no_read(se
         assert got_positions.tolist() == list(range(len(expected)))  # across the prefill chunk and decode steps
 
 
+def test_a_request_keeping_only_its_prompts_end_sends_nothing_else_home(served):
+    """A served request that wants the reads at its prompt's end only (`reads_kept`) gets exactly that
+    position's value, whatever chunks its prompt came in; its other tokens' rows never reach the read
+    log, and a decode step of such requests alone queues no copy home. A request beside it that keeps
+    every position loses none."""
+    from xmix_lens.backend.control import ControlPlane
+
+    model = served[MODEL]
+    runtime = model.engine.runtime
+    w, kept = vector(model.cfg.d_model, 8), {}
+    plane = ControlPlane(torch.device("cpu"), 64)
+    hooks = [("blocks.1.hook_resid_post", lambda act, hook: kept.update(s=act @ w))]
+    op = plane.install("probe", runtime._place_all(model.planner.lower_app("probe", hooks).ops, resident=True)).ops[0]
+    plane.select("end", ["probe"], prompt_len=5, reads_kept=(4, 5))
+    plane.select("every", ["probe"])
+    # (request ids, tokens each): "end"'s prompt in two chunks beside "every"'s, then decode steps
+    steps = [(["end", "every"], [3, 2]), (["end", "every"], [2, 1]), (["end", "every"], [1, 1]), (["end"], [1])]
+    computed = {"end": 0, "every": 0}
+    for step, (ids, counts) in enumerate(steps):
+        query_start = np.concatenate([[0], np.cumsum(counts)])
+        n = int(query_start[-1])
+        plane.prepare_step(ids, query_start, n, [computed[r] for r in ids])
+        for r, c in zip(ids, counts):
+            computed[r] += c
+        op.step_values[:n] = (100 * step + torch.arange(n, dtype=torch.float32))[:, None]
+    marks = plane._copies_home.marks
+    plane.drain()  # queues the last step's reads home, if it had any
+    assert plane._copies_home.marks == marks  # the last step ("end" decoding alone) had none
+    assert sum(chunk.used for chunk in op.area.log.chunks) == 1 + 4  # "end"'s prompt end, "every"'s 4 tokens
+    results = plane.take_results(["end", "every"])
+    (positions, values), = results[0].values()
+    assert positions.tolist() == [4] and values[:, 0].tolist() == [100 + 1]  # step 1's second token
+    (positions, values), = results[1].values()
+    assert positions.tolist() == [0, 1, 2, 3] and values[:, 0].tolist() == [3, 4, 102, 201]
+
+
 def test_reads_of_requests_that_chose_nothing_are_kept_for_the_last_few(installed, monkeypatch):
     """Requests sent to vLLM directly run the default apps; their reads wait for a later take, but
     (as a server's unfetched reads) only the last READS_KEPT finished requests' do: memory stays

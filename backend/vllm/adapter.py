@@ -2,6 +2,7 @@
 import contextlib
 import dataclasses
 import sys
+import time
 from types import SimpleNamespace
 
 import torch
@@ -67,10 +68,13 @@ def building_model() -> tuple[object, object]:
 
 def serve_reads(worker, runtime) -> None:
     """The worker answers `collective_rpc("xmix_take_reads", args=(API request ids, ids to forget,
-    wait))`, an API server's fetch of finished requests' reads (serving.py), with its runtime's and
-    the number of requests whose reads it still holds (the server's /metrics)."""
+    wait))`, an API server's fetch of finished requests' reads (serving.py), with its runtime's, the
+    number of requests whose reads it still holds and the seconds it took (the engine's steps wait
+    for it: the server's /metrics)."""
     def take_reads(request_ids, forget, wait):
-        return runtime.take_served_reads(request_ids, forget, wait), runtime.reads_held
+        started = time.perf_counter()
+        taken = runtime.take_served_reads(request_ids, forget, wait)
+        return taken, runtime.reads_held, time.perf_counter() - started
 
     worker.xmix_take_reads = take_reads
 

@@ -198,9 +198,11 @@ class SiteRuntime:
         for req_id, extra_args, prompt_len in new:
             names = chosen_apps(extra_args, declared)
             if names is not None:
-                self.control.select(req_id, names, chosen_values(extra_args), prompt_len)
-                self.served.add(req_id)
                 wanted = reads_wanted(extra_args)
+                # the positions its response returns, where known ahead ("last" is known at the end)
+                kept = {"none": (0, 0), "prompt_end": (prompt_len - 1, prompt_len)}.get(wanted)
+                self.control.select(req_id, names, chosen_values(extra_args), prompt_len, reads_kept=kept)
+                self.served.add(req_id)
                 if wanted != "none" and any(self.control.apps[name].info().reads for name in names):
                     self.reading[req_id] = (wanted, prompt_len)
                     for api_id in self._api_ids(req_id):

@@ -17,7 +17,9 @@ once it is complete, fetched from the workers (`ReadFetcher`: the responses wait
 collective RPC at a time, which waits for no step on the device). The middleware names each such
 request (its `request_id`, unless the client named it), so that a request whose client goes away
 before its reads are fetched is forgotten by name. `/metrics` counts the requests choosing each app
-(`xmix_app_requests_total`, in every API server).
+(`xmix_app_requests_total`, in every API server), the fetches and the engine's time answering them
+(`xmix_read_fetches_total`, `xmix_read_fetch_engine_seconds_total`) and how long responses waited
+for their reads (`xmix_read_wait_seconds`).
 
 Why not a logits processor's `validate_params` (vLLM's documented per-request check)? Installing
 one as an entry point makes vLLM 0.26 give up its V2 model runner for every engine on the machine
@@ -31,7 +33,7 @@ import uuid
 from pathlib import Path
 from typing import NamedTuple
 
-from prometheus_client import Counter, Gauge
+from prometheus_client import Counter, Gauge, Histogram
 from vllm.logger import init_logger
 
 from xmix_lens import app_config
@@ -45,6 +47,11 @@ ID_PREFIXES = {"/v1/completions": "cmpl-", "/v1/chat/completions": "chatcmpl-"} 
 APP_REQUESTS = Counter("xmix_app_requests", "Requests that chose each xmix-lens app (vllm_xargs)", ["app"])
 READS_HELD = Gauge("xmix_reads_held", "Requests whose reads the engine keeps for a fetch (running, or finished "
                    "and not fetched), as this API server's last fetch found")
+READ_FETCHES = Counter("xmix_read_fetches", "Collective RPCs of this API server fetching reads from the engine")
+READ_FETCH_ENGINE = Counter("xmix_read_fetch_engine_seconds", "Time the engine's worker took answering this API "
+                            "server's read fetches (the engine's steps wait for it)")
+READ_WAIT = Histogram("xmix_read_wait_seconds", "Time a response waited for its reads after its last token",
+                      buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0))
 
 
 MAX_READ_VALUES = 65536  # numbers per response: the latest positions that fit are returned, the count left out said
@@ -214,7 +221,9 @@ class WithReads:
 
     async def _reads(self) -> list[dict]:
         """As docs/serving.md shows them: per prompt, per app and output, the positions read and their values."""
+        asked = time.monotonic()
         per_prompt = await _fetcher.reads(self.api_id)
+        READ_WAIT.observe(time.monotonic() - asked)
         self.fetched = True
         return reads_json(per_prompt, _served.outputs, MAX_READ_VALUES)
 
@@ -254,7 +263,8 @@ class ReadFetcher:
             asked, forget, self.forgotten = list(self.waiting), self.forgotten, []
             wait = any(time.monotonic() - self.waiting[a][1] > self.WAIT_S for a in asked)
             try:
-                answers, held = (await self.engine.collective_rpc("xmix_take_reads", args=(asked, forget, wait)))[0]
+                answers, held, seconds = (await self.engine.collective_rpc("xmix_take_reads",
+                                                                           args=(asked, forget, wait)))[0]
             except Exception as e:  # the engine is gone: every response waiting says so
                 for future, _ in self.waiting.values():
                     if not future.done():
@@ -262,6 +272,8 @@ class ReadFetcher:
                 self.waiting.clear()
                 return
             READS_HELD.set(held)
+            READ_FETCHES.inc()
+            READ_FETCH_ENGINE.inc(seconds)
             for api_id, reads in answers.items():
                 if reads is not None:
                     future, _ = self.waiting.pop(api_id)

@@ -9,7 +9,10 @@ per label, each function on the stack once (inclusive) and the innermost one (se
 to `<folder>/<pid>.json` every WRITE_S: a server is stopped by a signal, which runs no exit handler.
 
 A sampler, not a tracer: the main thread runs at full speed between samples (each sample holds the
-GIL for tens of microseconds), and a profiled run is never one the bench times.
+GIL for tens of microseconds; the sampled processes switch threads more often, SWITCH_S), and a
+profiled run is never one the bench times. Samples fall where the main thread lets go of the GIL or
+is made to: a stretch of C code that holds it (a kernel launch, JSON in C) counts to the Python frame
+that called it.
 """
 import json
 import os
@@ -20,6 +23,7 @@ from collections import Counter
 from pathlib import Path
 
 INTERVAL_S = 0.002
+SWITCH_S = 0.0002  # the sampled processes' GIL switch interval (see start_from_env)
 LABEL_CHECK_S = 0.1  # how often the label file is read
 WRITE_S = 2.0
 ENV = "XMIX_BENCH_PROFILE"
@@ -28,6 +32,10 @@ ENV = "XMIX_BENCH_PROFILE"
 def start_from_env() -> None:
     folder = os.environ.get(ENV)
     if folder:
+        # the sampler needs the GIL to look: at Python's default switch interval (5 ms) it got it only
+        # where the main thread let go of it on its own, which an event loop does at its idle point
+        # (every sample of the API servers said "idle" on the H100); at SWITCH_S it gets it mid-work too
+        sys.setswitchinterval(SWITCH_S)
         threading.Thread(target=_sample, args=(Path(folder),), name="xmix-bench-sampler", daemon=True).start()
 
 

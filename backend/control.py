@@ -336,6 +336,7 @@ class ControlPlane:
         self._slot: dict[str, tuple[int, frozenset]] = {}  # request id -> (its table row, apps that use it)
         self._prompt_len: dict[str, int] = {}  # request id -> its prompt's length (for prompt-level stores)
         self._reads_kept: dict[str, tuple[int, int]] = {}  # request id -> the positions [first, end) its reads keep
+        self._kept_computed: set[str] = set()  # requests whose kept positions have all been in a prepared step
 
     @property
     def ops(self) -> list[ResidentOp]:
@@ -523,8 +524,15 @@ class ControlPlane:
         self._request_bits.pop(req_id, None)
         self._number.pop(req_id, None)
         self._reads_kept.pop(req_id, None)
+        self._kept_computed.discard(req_id)
         self.release_values(req_id)
         self._choices_version += 1
+
+    def kept_computed(self, req_id: str) -> bool:
+        """Whether a request that keeps some positions' reads only (`select(reads_kept=...)`) has had
+        them all in prepared steps: once those steps' copies are home (`bring_home`), its reads are
+        complete, though it may still run."""
+        return req_id in self._kept_computed
 
     def read_by_default(self, req_id: str) -> bool:
         """Whether the reads of a request that chose no apps were kept (it ran the default apps)."""
@@ -662,8 +670,14 @@ class ControlPlane:
             return
         if positions is None:
             positions = _positions(first_positions, query_start, n, n_tokens)
-        reads = self._read_plan if choices.kept is None else _kept_reads(self._read_plan, choices.kept, positions,
-                                                                         np.diff(query_start))
+        reads = self._read_plan
+        if choices.kept is not None:
+            per_request = np.diff(query_start)
+            reads = _kept_reads(self._read_plan, choices.kept, positions, per_request)
+            # a request whose last kept position is in this step has all its kept reads once the step is done
+            last = np.repeat(choices.kept[1] - 1, per_request)
+            for i in np.unique(np.repeat(np.arange(n), per_request)[positions == last]):
+                self._kept_computed.add(req_ids[i])
         self._unqueued = _Step(reads, positions) if reads else None
 
     def _clear_stores(self, layout, starting: list[str]) -> None:

@@ -108,16 +108,19 @@ def test_the_api_server_names_each_reading_request_as_vllm_will(monkeypatch):
     one set in its body; vLLM prefixes "cmpl-" or "chatcmpl-". Others are left as they came."""
     monkeypatch.setattr(serving, "_served", serving.ServedConfig(tuple(INSTALLED), frozenset({"probe"}), "digest"))
     reading = {"model": "m", "prompt": "x", "vllm_xargs": {APPS_KEY: "probe"}}
-    body, api_id = serving.checked(json.dumps(reading).encode(), "/v1/completions")
-    assert api_id == "cmpl-" + json.loads(body)["request_id"] and len(api_id) > len("cmpl-")
-    assert serving.checked(json.dumps(reading).encode(), "/v1/completions")[1] != api_id  # each its own
+    body, read = serving.checked(json.dumps(reading).encode(), "/v1/completions")
+    assert read.api_id == "cmpl-" + json.loads(body)["request_id"] and len(read.api_id) > len("cmpl-")
+    assert read.at_first_token  # the prompt's end only (the default): complete once its first token is out
+    assert serving.checked(json.dumps(reading).encode(), "/v1/completions")[1].api_id != read.api_id  # each its own
     named = dict(reading, request_id="mine")
-    assert serving.checked(json.dumps(named).encode(), "/v1/chat/completions")[1] == "chatcmpl-mine"
-    body, api_id = serving.checked(json.dumps(named).encode(), "/v1/completions", header_id="from-header")
-    assert api_id == "cmpl-from-header" and json.loads(body)["request_id"] == "mine"  # vLLM takes the header's
+    assert serving.checked(json.dumps(named).encode(), "/v1/chat/completions")[1].api_id == "chatcmpl-mine"
+    body, read = serving.checked(json.dumps(named).encode(), "/v1/completions", header_id="from-header")
+    assert read.api_id == "cmpl-from-header" and json.loads(body)["request_id"] == "mine"  # vLLM takes the header's
+    every = dict(reading, vllm_xargs={APPS_KEY: "probe", READS_KEY: "all"})
+    assert not serving.checked(json.dumps(every).encode(), "/v1/completions")[1].at_first_token
     steering = dict(reading, vllm_xargs={APPS_KEY: "steer"})
-    body, api_id = serving.checked(json.dumps(steering).encode(), "/v1/completions")
-    assert api_id is None and "request_id" not in json.loads(body)
+    body, read = serving.checked(json.dumps(steering).encode(), "/v1/completions")
+    assert read is None and "request_id" not in json.loads(body)
 
 
 def test_reads_go_out_as_json_per_prompt_within_a_bound():

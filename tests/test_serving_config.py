@@ -243,6 +243,29 @@ def test_reads_come_back_with_the_completion(server, facade):
         torch.testing.assert_close(torch.tensor(score["values"]), steered[score["positions"]], atol=1e-4, rtol=1e-4)
 
 
+def test_a_stream_fetches_its_prompt_end_reads_at_its_first_token_and_keeps_its_apps(server, facade):
+    """A stream wanting its prompt's end (the default) asks for its reads as its first token goes out
+    (WithReads): they equal the facade's at the prompt's end, and the request keeps its steering
+    write to its last token (its text equals the whole response's, which a stream without the write
+    does not). The early ask takes one fetch at most beside the stream's."""
+    model, ids = str(tiny_llama()), prompt_ids(facade, PROMPTS[0])
+    body = {"ignore_eos": True, "vllm_xargs": {APPS_KEY: "steer,probe"}}
+    whole = server.client().completions.create(model=model, prompt=ids, max_tokens=24, temperature=0, extra_body=body)
+    unsteered = server.client().completions.create(model=model, prompt=ids, max_tokens=24, temperature=0,
+                                                   extra_body={"ignore_eos": True})
+    assert whole.choices[0].text != unsteered.choices[0].text  # the write shows in the text
+    waits = sum(metric(server, "xmix_read_wait_seconds_count").values())
+    events = list(server.client().completions.create(model=model, prompt=ids, max_tokens=24, temperature=0,
+                                                     stream=True, extra_body=body))
+    assert "".join(e.choices[0].text for e in events if e.choices) == whole.choices[0].text
+    streamed = events[-1].model_extra["xmix_reads"][0]["apps"]["probe"]["score"]
+    assert streamed["positions"] == [len(ids) - 1]
+    steered = facade.run_with_hooks(torch.tensor([ids]), apps=["steer", "probe"]).outputs["probe"]["score"][0]
+    torch.testing.assert_close(torch.tensor(streamed["values"]), steered[[len(ids) - 1]], atol=1e-4, rtol=1e-4)
+    assert sum(metric(server, "xmix_read_wait_seconds_count").values()) == waits + 1
+    assert reads_held_after_a_fetch(server, facade) == 0  # nothing kept for it once it finished
+
+
 def test_reads_come_back_at_the_end_of_a_stream(server, facade):
     model = str(tiny_llama())
     whole = server.client().chat.completions.create(
@@ -309,7 +332,8 @@ def reads_held_after_a_fetch(server, facade) -> float:
 
 
 def test_clients_that_go_away_leave_no_reads_behind(server, facade):
-    """Clients streaming reading requests at once, half of them closing their stream after its first
+    """Clients streaming reading requests at once (half wanting every position's reads, half their
+    prompt's end, fetched at the first token), half of them closing their stream after its first
     events and some giving up before any answer: the engine keeps no reads for any of them (a
     request whose client went away is forgotten, not held for a fetch that never comes), and the
     streams read to the end get their reads. /metrics counts each app's requests."""
@@ -317,10 +341,11 @@ def test_clients_that_go_away_leave_no_reads_behind(server, facade):
     before = metric(server, "xmix_app_requests_total").get('{app="probe"}', 0.0)
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused", max_retries=0)
     xargs = {"vllm_xargs": {APPS_KEY: "steer,probe", READS_KEY: "all"}, "ignore_eos": True}
+    at_prompt_end = {"vllm_xargs": {APPS_KEY: "steer,probe"}, "ignore_eos": True}  # fetched at the first token
 
     def stream(i: int):
         events = client.completions.create(model=model, prompt=PROMPTS[i % 2], max_tokens=48, stream=True,
-                                           extra_body=xargs)
+                                           extra_body=xargs if i % 4 < 2 else at_prompt_end)
         if i % 2:  # goes away after two events
             for _, _ in zip(range(2), events):
                 pass

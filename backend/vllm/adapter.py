@@ -68,12 +68,12 @@ def building_model() -> tuple[object, object]:
 
 def serve_reads(worker, runtime) -> None:
     """The worker answers `collective_rpc("xmix_take_reads", args=(API request ids, ids to forget,
-    wait))`, an API server's fetch of finished requests' reads (serving.py), with its runtime's, the
+    wait, ids that may still run))`, an API server's fetch of requests' reads (serving.py), with its runtime's, the
     number of requests whose reads it still holds and the seconds it took (the engine's steps wait
     for it: the server's /metrics)."""
-    def take_reads(request_ids, forget, wait):
+    def take_reads(request_ids, forget, wait, early=()):
         started = time.perf_counter()
-        taken = runtime.take_served_reads(request_ids, forget, wait)
+        taken = runtime.take_served_reads(request_ids, forget, wait, early)
         return taken, runtime.reads_held, time.perf_counter() - started
 
     worker.xmix_take_reads = take_reads

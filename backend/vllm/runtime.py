@@ -208,16 +208,24 @@ class SiteRuntime:
                     for api_id in self._api_ids(req_id):
                         self._reading_of.setdefault(api_id, set()).add(req_id)
 
-    def take_served_reads(self, request_ids: list[str], forget: list[str] = (), wait: bool = False) -> dict | None:
+    def take_served_reads(self, request_ids: list[str], forget: list[str] = (), wait: bool = False,
+                          early: list[str] = ()) -> dict | None:
         """The reads of finished API requests, which are then forgotten, and of those in `forget`
         (whose clients went away) nothing: they are forgotten. {API request id: [(prompt index,
         [(app, read key, positions, values)])], or None where a step of it is still on the device
         (asked again later; `wait`: waited for instead)}. Values are float32 bytes, [positions,
-        features] (they cross processes as msgpack: plain types). Rank 0 answers."""
+        features] (they cross processes as msgpack: plain types). Rank 0 answers.
+        The API requests in `early` may still run (their responses ask once their first token is
+        out, so that the reads are there when the last is): each is answered once its reads are
+        complete, i.e. it wants its prompt's end only and that position's step is done
+        (ControlPlane.kept_computed), else None; it keeps its apps until it finishes."""
         for api_id in forget:
             for req_id in list(self._reading_of.get(api_id, ())):
                 self._forget_served(req_id)
         wanted = {api_id: list(self._reading_of.get(api_id, ())) for api_id in request_ids}
+        for api_id in set(early) & set(wanted):
+            if not all(r in self.finished_reading or self.control.kept_computed(r) for r in wanted[api_id]):
+                wanted.pop(api_id)  # its reads not all computed yet: asked again later
         every = [r for req_ids in wanted.values() for r in req_ids]
         home = dict(zip(every, self.control.bring_home(every)))
         if wait and not all(home.values()):
@@ -225,14 +233,15 @@ class SiteRuntime:
             home = dict.fromkeys(every, True)
         ready = [r for r in every if home[r]]
         results = dict(zip(ready, self.control.take_results(ready)))
-        taken = {}
+        taken = dict.fromkeys(set(request_ids) - set(wanted))
         for api_id, req_ids in wanted.items():
             if not all(home[r] for r in req_ids):
                 taken[api_id] = None
                 continue
             taken[api_id] = [self._served_reads(api_id, req_id, results[req_id]) for req_id in sorted(req_ids)]
+            running = api_id in early
             for req_id in req_ids:
-                self._forget_served(req_id)
+                self._forget_served(req_id, keep_apps=running and req_id not in self.finished_reading)
         return taken if self.tp_rank == 0 else None
 
     @property
@@ -260,9 +269,12 @@ class SiteRuntime:
         outer, _, index = external.rpartition("-")
         return [external, outer] if outer and index.isdigit() else [external]
 
-    def _forget_served(self, req_id: str) -> None:
-        self.control.forget(req_id)
-        self.served.discard(req_id)
+    def _forget_served(self, req_id: str, keep_apps: bool = False) -> None:
+        """Its reads taken or given up. `keep_apps`: it still runs (its reads were taken early), so
+        it keeps its apps until it finishes, then is forgotten as a request that reads nothing."""
+        if not keep_apps:
+            self.control.forget(req_id)
+            self.served.discard(req_id)
         if self.reading.pop(req_id, None) is not None:
             for api_id in self._api_ids(req_id):
                 same = self._reading_of.get(api_id)

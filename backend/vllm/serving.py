@@ -14,7 +14,8 @@ parses it. A request whose `vllm_xargs` say anything to xmix-lens is
 Then the engine's workers select the apps for each request's tokens from the same `vllm_xargs`
 (adapter._follow_request_choices). The response of a request that wants reads (`WithReads`) gets them
 once it is complete, fetched from the workers (`ReadFetcher`: the responses waiting share one
-collective RPC at a time, which waits for no step on the device). The middleware names each such
+collective RPC at a time, which waits for no step on the device); a stream that wants its prompt's
+end asks as its first token goes out, so that the fetch is done before its last. The middleware names each such
 request (its `request_id`, unless the client named it), so that a request whose client goes away
 before its reads are fetched is forgotten by name. `/metrics` counts the requests choosing each app
 (`xmix_app_requests_total`, in every API server), the fetches and the engine's time answering them
@@ -107,11 +108,19 @@ class BadChoice(ValueError):
     """A request's app choice that the server refuses (HTTP 400)."""
 
 
-def checked(body: bytes, path: str, header_id: str | None = None) -> tuple[bytes, str | None]:
+class Reading(NamedTuple):
+    """A request whose response gets reads: the id vLLM gives it, and whether its reads are complete
+    once its first token is out (it wants its prompt's end only): a stream fetches them then."""
+
+    api_id: str
+    at_first_token: bool
+
+
+def checked(body: bytes, path: str, header_id: str | None = None) -> tuple[bytes, Reading | None]:
     """A request body as the engine must see it: unchanged if it says nothing to xmix-lens, else
     with its choice's cache salt; and if it chose an app that reads (its response gets the reads),
-    the id vLLM gives it (its X-Request-Id header's, `header_id`, else its body's `request_id`,
-    which is set here where the client set none). BadChoice names what is wrong."""
+    its `Reading`: the id vLLM gives it is its X-Request-Id header's (`header_id`), else its body's
+    `request_id`, which is set here where the client set none. BadChoice names what is wrong."""
     try:
         request = json.loads(body)
     except ValueError:
@@ -138,12 +147,13 @@ def checked(body: bytes, path: str, header_id: str | None = None) -> tuple[bytes
         else choice_salt
     for name in names:
         APP_REQUESTS.labels(app=name).inc()
-    api_id = None
+    read = None
     if reading:
         if header_id is None and not (isinstance(request.get("request_id"), str) and request["request_id"]):
             request["request_id"] = uuid.uuid4().hex
-        api_id = ID_PREFIXES[path] + (header_id if header_id is not None else request["request_id"])
-    return json.dumps(request).encode(), api_id
+        read = Reading(ID_PREFIXES[path] + (header_id if header_id is not None else request["request_id"]),
+                       reads_wanted(xargs) == "prompt_end")
+    return json.dumps(request).encode(), read
 
 
 class CheckChoices:
@@ -164,30 +174,34 @@ class CheckChoices:
             more = message.get("more_body", False)
         header_id = dict(scope.get("headers", [])).get(b"x-request-id")
         try:
-            body, api_id = checked(b"".join(chunks), scope["path"], header_id and header_id.decode())
+            body, reading = checked(b"".join(chunks), scope["path"], header_id and header_id.decode())
         except BadChoice as e:
             return await _bad_request(send, str(e))
         headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-length"]
         scope = dict(scope, headers=headers + [(b"content-length", str(len(body)).encode())])
         replayed = _replay([{"type": "http.request", "body": body, "more_body": False}], receive)
-        if api_id is None:
+        if reading is None:
             return await self.app(scope, replayed, send)
-        response = WithReads(send, api_id)
+        response = WithReads(send, reading)
         try:
             await self.app(scope, replayed, response.send)
         finally:
             if not response.fetched:  # an error, or its client went away: nobody takes its reads
-                _fetcher.forget(api_id)
+                _fetcher.forget(reading.api_id)
 
 
 class WithReads:
-    """The response of API request `api_id`, which chose reading apps, with the reads added: a JSON
+    """The response of a request that chose reading apps (`reading`), with the reads added: a JSON
     response gets an `xmix_reads` field; a stream gets one more event before `data: [DONE]`, a chunk
-    with no choices and `xmix_reads` (as vLLM's own usage chunk has no choices)."""
+    with no choices and `xmix_reads` (as vLLM's own usage chunk has no choices). A stream whose reads
+    are complete at its first token fetches them as that token goes out: the fetch's round trip
+    through the engine's step loop (tens of milliseconds at 128 requests) overlaps the generation
+    instead of holding the response's end."""
 
-    def __init__(self, send, api_id: str):
-        self._send, self.api_id = send, api_id
+    def __init__(self, send, reading: Reading):
+        self._send, self.api_id, self.reading = send, reading.api_id, reading
         self.start, self.body, self.streaming, self.fetched = None, [], False, False
+        self._early: asyncio.Future | None = None  # the fetch started at the first token
 
     async def send(self, message) -> None:
         if message["type"] == "http.response.start":
@@ -214,6 +228,8 @@ class WithReads:
     async def _stream(self, message) -> None:
         chunk = message.get("body", b"")
         done = chunk.find(b"data: [DONE]")
+        if self._early is None and self.reading.at_first_token and done < 0 and chunk:
+            self._early = asyncio.ensure_future(_fetcher.reads(self.api_id, early=True))
         if done >= 0:
             reads = {"id": self.api_id, "object": "xmix.reads", "choices": [], "xmix_reads": await self._reads()}
             chunk = chunk[:done] + b"data: " + json.dumps(reads).encode() + b"\n\n" + chunk[done:]
@@ -222,7 +238,7 @@ class WithReads:
     async def _reads(self) -> list[dict]:
         """As docs/serving.md shows them: per prompt, per app and output, the positions read and their values."""
         asked = time.monotonic()
-        per_prompt = await _fetcher.reads(self.api_id)
+        per_prompt = await (self._early if self._early is not None else _fetcher.reads(self.api_id))
         READ_WAIT.observe(time.monotonic() - asked)
         self.fetched = True
         return reads_json(per_prompt, _served.outputs, MAX_READ_VALUES)
@@ -240,13 +256,15 @@ class ReadFetcher:
 
     def __init__(self, engine):
         self.engine = engine
-        self.waiting: dict[str, tuple[asyncio.Future, float]] = {}  # API request id -> (its reads, asked at)
+        # API request id -> (its reads, asked at, whether it may still run)
+        self.waiting: dict[str, tuple[asyncio.Future, float, bool]] = {}
         self.forgotten: list[str] = []
         self._fetching: asyncio.Task | None = None
 
-    async def reads(self, api_id: str) -> list:
+    async def reads(self, api_id: str, early: bool = False) -> list:
+        """Its reads; `early`: asked while it may still run (answered once they are complete)."""
         future = asyncio.get_running_loop().create_future()
-        self.waiting[api_id] = (future, time.monotonic())
+        self.waiting[api_id] = (future, time.monotonic(), early)
         self._start()
         return await future
 
@@ -261,12 +279,14 @@ class ReadFetcher:
     async def _fetch(self) -> None:
         while self.waiting or self.forgotten:
             asked, forget, self.forgotten = list(self.waiting), self.forgotten, []
-            wait = any(time.monotonic() - self.waiting[a][1] > self.WAIT_S for a in asked)
+            early = [a for a in asked if self.waiting[a][2]]
+            # a drain waits for the newest step: only for a finished request's last steps, never for a running one
+            wait = any(time.monotonic() - self.waiting[a][1] > self.WAIT_S for a in asked if not self.waiting[a][2])
             try:
                 answers, held, seconds = (await self.engine.collective_rpc("xmix_take_reads",
-                                                                           args=(asked, forget, wait)))[0]
+                                                                           args=(asked, forget, wait, early)))[0]
             except Exception as e:  # the engine is gone: every response waiting says so
-                for future, _ in self.waiting.values():
+                for future, *_ in self.waiting.values():
                     if not future.done():
                         future.set_exception(e)
                 self.waiting.clear()
@@ -276,7 +296,7 @@ class ReadFetcher:
             READ_FETCH_ENGINE.inc(seconds)
             for api_id, reads in answers.items():
                 if reads is not None:
-                    future, _ = self.waiting.pop(api_id)
+                    future, *_ = self.waiting.pop(api_id)
                     if not future.done():  # its client went away meanwhile
                         future.set_result(reads)
             if set(self.waiting) <= set(asked) and not self.forgotten:  # none came meanwhile

@@ -72,6 +72,8 @@ class HookedServedModel(HookedRoot):
                         armed: str | Sequence[str] = "all", apps: Sequence = (), fold_ln: bool = False,
                         center_writing_weights: bool = False, center_unembed: bool = False,
                         fold_value_biases: bool = False, refactor_factored_attn_matrices: bool = False,
+                        default_prepend_bos: bool | None = None, default_padding_side: str | None = None,
+                        tokenizer=None, n_devices: int = 1, move_to_device: bool = True,
                         config: str | None = None, **engine_kwargs) -> "HookedServedModel":
         """Build an in-process vLLM engine for a local HF folder or an embedded model's name.
 
@@ -91,12 +93,25 @@ class HookedServedModel(HookedRoot):
         are installed as the engine is built, so that its CUDA graphs contain them (see
         backend/control.py); so are the apps of `config`, an app config folder (`export`),
         checked against this model before the engine starts.
+
+        TransformerLens's loader options: `default_prepend_bos` and `default_padding_side` set the
+        tokenizer's defaults as TransformerLens's do; `tokenizer` replaces the folder's; `n_devices`
+        and `move_to_device` are taken where the engine can honour them (n_devices > 1 is
+        tensor_parallel_size); the options that load other weights than the folder's are refused by
+        name. Every other keyword is one of vLLM's engine arguments (`EngineArgs`), checked by name
+        before anything loads.
         """
         from transformers import AutoConfig
 
         _in_process_environment()
         verbosity.before_engine()
         from .backend.vllm.engine import VllmEngine
+
+        engine_kwargs = _loader_options(engine_kwargs, n_devices, move_to_device)
+        _padding_side(default_padding_side)
+        if default_prepend_bos not in (None, True, False):
+            raise ValueError(f"default_prepend_bos={default_prepend_bos!r}: use True or False (None: the model's default)")
+        VllmEngine.check_arguments(engine_kwargs)
 
         processing = {"fold_ln": fold_ln, "center_writing_weights": center_writing_weights,
                       "center_unembed": center_unembed, "fold_value_biases": fold_value_biases,
@@ -111,8 +126,11 @@ class HookedServedModel(HookedRoot):
         hf = AutoConfig.from_pretrained(model_dir)
         arch = (hf.architectures or ["?"])[0]
         family = families.family_of_architecture(arch).name
-        tokenizer = tl_surface.load_tokenizer(model_dir)
+        tokenizer = tl_surface.load_tokenizer(model_dir, tokenizer, default_padding_side)
         cfg = tl_surface.bridge_config(hf, str(name_or_path), torch_dtype, tokenizer, family)
+        cfg.default_padding_side = tokenizer.padding_side
+        if default_prepend_bos is not None:
+            cfg.default_prepend_bos = default_prepend_bos
 
         model = cls(model_dir, cfg, tokenizer)
         model.processing = processing  # the weight processing the served weights have had
@@ -685,6 +703,36 @@ def _bad_input(input) -> Exception:
     i, item = next((i, t) for i, t in enumerate(input) if not isinstance(t, str))
     return TypeError(f"input mixes strings and other items: item {i} is {type(item).__name__} {item!r}; pass a list "
                      f"of strings, or a list of token-id lists (tokenize the strings with model.to_tokens first)")
+
+
+# TransformerLens's loader options that would load other weights than the folder's, and why not here
+_REFUSED_LOADER_OPTIONS = {
+    "hf_model": "the engine loads its weights from the model's folder: save the model with save_pretrained and "
+                "pass the folder",
+    "checkpoint_index": "the engine serves the folder's weights: pass the folder of the training checkpoint wanted",
+    "checkpoint_value": "the engine serves the folder's weights: pass the folder of the training checkpoint wanted",
+    "first_n_layers": "vLLM builds every layer of the checkpoint: save a truncated checkpoint (config "
+                      "num_hidden_layers) and pass its folder",
+}
+
+
+def _loader_options(engine_kwargs: dict, n_devices: int, move_to_device: bool) -> dict:
+    """TransformerLens's loader options that are not vLLM's, taken or refused by name."""
+    for name, why in _REFUSED_LOADER_OPTIONS.items():
+        if engine_kwargs.get(name) is not None:
+            raise ValueError(f"from_pretrained({name}=...) is TransformerLens's and is not supported: {why}")
+        engine_kwargs.pop(name, None)
+    if "torch_dtype" in engine_kwargs:
+        raise ValueError("from_pretrained(torch_dtype=...): pass dtype=... (TransformerLens's current name)")
+    if not move_to_device:
+        raise ValueError("from_pretrained(move_to_device=False): the engine places the weights on its device as it "
+                         "loads them; leave move_to_device at True")
+    if n_devices != 1:
+        if engine_kwargs.get("tensor_parallel_size", n_devices) != n_devices:
+            raise ValueError(f"n_devices={n_devices} and tensor_parallel_size={engine_kwargs['tensor_parallel_size']} "
+                             "disagree: pass one of them")
+        engine_kwargs["tensor_parallel_size"] = n_devices  # vLLM's way to spread a model over devices
+    return engine_kwargs
 
 
 def _padding_side(side: str | None) -> str | None:

@@ -36,20 +36,26 @@ READ_ONLY = ("the served model's weights live in its vLLM engine: {what} is Tran
              "hooks instead")
 
 
-def load_tokenizer(model_dir):
-    """The tokenizer TransformerLens 4.3's boot makes: loaded with add_bos_token=True (so that
-    `tokenizer.encode(text)` prepends BOS where TransformerLens's does), then normalised (pad, BOS
-    and EOS tokens, padding side) by its setup_tokenizer."""
+def load_tokenizer(model_dir, given=None, padding_side: str | None = None):
+    """The tokenizer TransformerLens 4.3's boot makes: the one `given` (from_pretrained(tokenizer=...)),
+    else the folder's loaded with add_bos_token=True (so that `tokenizer.encode(text)` prepends BOS
+    where TransformerLens's does), then normalised (pad, BOS and EOS tokens, `padding_side`) by its
+    setup_tokenizer."""
     from transformer_lens.model_bridge.sources._hf_format import setup_tokenizer
     from transformer_lens.utilities.hf_utils import autotokenizer_with_special_token_compat
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+    if given is not None:
+        if not isinstance(given, PreTrainedTokenizerBase):
+            raise TypeError(f"tokenizer={type(given).__name__}: pass a Hugging Face tokenizer "
+                            "(PreTrainedTokenizer or PreTrainedTokenizerFast), or none for the folder's")
+        return setup_tokenizer(given, padding_side)
     try:
         tokenizer = autotokenizer_with_special_token_compat(str(model_dir), auto_tokenizer=AutoTokenizer,
                                                             add_bos_token=True)
     except ValueError:  # TransformerLens's fallback: tokenizers that refuse add_bos_token
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    return setup_tokenizer(tokenizer)
+    return setup_tokenizer(tokenizer, padding_side)
 
 
 def bridge_config(hf_config, model_name: str, dtype: torch.dtype, tokenizer, family: str):

@@ -65,6 +65,25 @@ class VllmEngine:
             unembed = llm.collective_rpc(remote.unembedding_of, args=(d_vocab,))[0]
         return cls(llm, runtime, unembed, runner.model if runner is not None else None)
 
+    @staticmethod
+    def check_arguments(engine_kwargs: dict) -> None:
+        """Every keyword is one of vLLM's `LLM` / `EngineArgs` arguments, checked before anything loads
+        (vLLM would refuse it only after the weights are processed and the engine module imported)."""
+        import dataclasses
+        import inspect
+
+        from vllm import LLM
+        from vllm.engine.arg_utils import EngineArgs
+
+        if taken := sorted(set(engine_kwargs) & _SET_BY_XMIX):
+            raise TypeError(f"from_pretrained({taken[0]}=...): xmix-lens sets it itself (the model's folder is the first "
+                            "argument; apps come through apps= or config=)")
+        known = {f.name for f in dataclasses.fields(EngineArgs)} | set(inspect.signature(LLM.__init__).parameters)
+        if unknown := sorted(set(engine_kwargs) - known):
+            raise TypeError(f"from_pretrained got {', '.join(map(repr, unknown))}, which is neither TransformerLens's "
+                            "loader option nor one of vLLM's engine arguments (vllm.engine.arg_utils.EngineArgs); "
+                            "check the spelling")
+
     @property
     def max_model_len(self) -> int:
         return self.llm.llm_engine.model_config.max_model_len
@@ -299,6 +318,10 @@ def app_salt(installed: dict, names, salt: str | None) -> str | None:
     if any(app.reads for app in apps):
         return uuid.uuid4().hex
     return hashlib.sha256(repr((salt, [a.digest for a in apps])).encode()).hexdigest()
+
+
+# the engine arguments build() sets; a caller's would collide with them
+_SET_BY_XMIX = {"model", "skip_tokenizer_init", "additional_config", "self", "kwargs"}
 
 
 def _check_parallel_layout(n_heads: int, engine_kwargs: dict) -> None:

@@ -115,3 +115,52 @@ def test_generate_returns_text_for_text(pair):
     assert isinstance(text, str) and "The cat sat" in text
     with pytest.raises(ValueError, match="max_model_len"):
         xl.generate("The cat sat", max_new_tokens=10_000)
+
+
+def test_output_logits_are_transformer_lens_step_logits(pair):
+    """generate(output_logits=True): TransformerLens's GenerateDecoderOnlyOutput, its sequences and one
+    [batch, d_vocab] logits per new token, the ones TransformerLens's generate sampled from."""
+    xl, tl = pair
+    tokens = xl.to_tokens(PROMPTS)
+    ours = xl.generate(tokens, max_new_tokens=NEW, do_sample=False, output_logits=True)
+    theirs = tl.bridge.generate(tokens.cpu(), max_new_tokens=NEW, do_sample=False, stop_at_eos=False, verbose=False,
+                                output_logits=True, use_past_kv_cache=False)
+    assert torch.equal(ours.sequences.cpu(), theirs.sequences)
+    assert len(ours.logits) == len(theirs.logits) == NEW
+    for got, expected in zip(ours.logits, theirs.logits):
+        assert got.shape == expected.shape
+        assert torch.allclose(got.cpu().float(), expected.float(), atol=1e-4)
+
+
+def test_output_logits_refused_where_hooks_change_the_pass(pair):
+    xl, _ = pair
+    with pytest.raises(ValueError, match="output_logits works in generate only when nothing else changes"):
+        xl.generate(PROMPTS, max_new_tokens=2, output_logits=True,
+                    fwd_hooks=[("blocks.0.hook_resid_post", lambda act, hook: act * 2)])
+
+
+def test_one_row_decodes_to_one_string_as_transformer_lens(pair):
+    xl, tl = pair
+    tokens = xl.to_tokens(PROMPTS[:1])
+    ours = xl.generate(tokens, max_new_tokens=3, do_sample=False, return_type="str")
+    theirs = tl.bridge.generate(tokens.cpu(), max_new_tokens=3, do_sample=False, stop_at_eos=False, verbose=False,
+                                return_type="str", use_past_kv_cache=False)
+    assert isinstance(ours, str) and ours == theirs
+    assert isinstance(xl.generate(PROMPTS[:1], max_new_tokens=2, do_sample=False), str)
+
+
+def test_generate_from_input_embeddings_as_transformer_lens(pair):
+    """Input embeddings are the prompt (written at hook_embed); only the new tokens come back."""
+    xl, tl = pair
+    tokens = xl.to_tokens(PROMPTS)
+    embeds = tl.bridge.W_E[tokens.cpu()]
+    ours = xl.generate(embeds, max_new_tokens=4, do_sample=False)
+    theirs = tl.bridge.generate(embeds, max_new_tokens=4, do_sample=False, stop_at_eos=False, verbose=False,
+                                use_past_kv_cache=False)
+    assert torch.equal(ours.cpu(), theirs)
+    from_tokens = xl.generate(tokens, max_new_tokens=4, do_sample=False, return_type="tokens")
+    assert torch.equal(ours.cpu(), from_tokens[:, tokens.shape[1]:].cpu())
+    logits = xl.generate(embeds, max_new_tokens=2, do_sample=False, output_logits=True).logits
+    assert torch.equal(torch.stack(logits, 1).argmax(-1).cpu(), ours[:, :2].cpu())
+    with pytest.raises(ValueError, match="d_model"):
+        xl.generate(embeds[..., :3], max_new_tokens=2)

@@ -565,7 +565,7 @@ class HookedServedModel(HookedRoot):
                  do_sample: bool = True, top_k: int | None = None, top_p: float | None = None,
                  temperature: float = 1.0, prepend_bos: bool | None = None, padding_side: str | None = None,
                  return_type: str = "input", seed: int | None = None, fwd_hooks: Iterable[HookSpec] = (),
-                 verbose: bool = False, apps=None, use_past_kv_cache: bool = True):
+                 verbose: bool = False, apps=None, use_past_kv_cache: bool = True, output_logits: bool = False):
         """Sample continuations with the hooks on the prompt and on every generated token.
 
         As TransformerLens's generate with its KV cache: each hook is traced for the prompt
@@ -573,28 +573,56 @@ class HookedServedModel(HookedRoot):
         `use_past_kv_cache` (TransformerLens's) is accepted, True or False: the engine always keeps
         its KV cache, so hooks run as above either way. TransformerLens without its cache reruns the
         whole sequence at each step; for hooks that do not depend on positions that gives the same tokens.
-        Returns strings for string input (return_type "input" or "str"), else tokens [batch, pos + new]
-        with each row's prompt as given followed by its generated tokens (padded with the pad token).
-        With `apps` (or active apps), an AppRun whose `result` is that. `verbose`: a progress bar of
+        Returns strings for string input (return_type "input" or "str"; one string where there is one
+        row), else tokens [batch, pos + new] with each row's prompt as given followed by its generated
+        tokens (padded with the pad token). Input embeddings ([batch, pos, d_model], floating point)
+        are the prompt, written at hook_embed: only the new tokens are returned, as TransformerLens
+        returns them. `output_logits`: TransformerLens's GenerateDecoderOnlyOutput, `sequences` (the
+        tokens) and `logits`, one [batch, d_vocab] per new token (Planner.step_logits). With `apps`
+        (or active apps), an AppRun whose `result` is that. `verbose`: a progress bar of
         the rows as they finish (all rows generate together, in vLLM's batches)."""
         if return_type not in ("input", "str", "tokens"):
             raise ValueError(f"return_type {return_type!r}: use 'input', 'str' or 'tokens'")
         if max_new_tokens < 1:
             raise ValueError("max_new_tokens must be at least 1")
-        rows = self._rows(input, prepend_bos, padding_side, None)
+        embeds = self._prompt_embeddings(input)
+        if embeds is None:
+            rows, writes = self._rows(input, prepend_bos, padding_side, None), None
+        else:  # placeholder tokens, whose embeddings the write replaces
+            placeholder = [[self.tokenizer.pad_token_id] * embeds.shape[1]] * embeds.shape[0]
+            rows, writes = Rows.of_lists(placeholder, self.tokenizer.pad_token_id, self.cfg.d_vocab), {"hook_embed": embeds}
         sampling = sampling_settings(do_sample, top_k, top_p, temperature, seed, stop_at_eos, eos_token_id)
         with self.hooks(fwd_hooks):
-            full, run = self.planner.generate(rows, max_new_tokens, sampling, apps, "generate" if verbose else None)
-        result = self._format_generated(input, full, return_type)
+            full, run, step_logits = self.planner.generate(rows, max_new_tokens, sampling, apps,
+                                                           "generate" if verbose else None, writes, output_logits)
+        if embeds is not None:
+            full = [row[embeds.shape[1]:] for row in full]
+        result = self._format_generated(input, full, "tokens" if output_logits else return_type)
+        if output_logits:
+            from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+            result = GenerateDecoderOnlyOutput(sequences=result, logits=step_logits)
         return result if run is None else run._replace(result=result)
+
+    def _prompt_embeddings(self, input) -> torch.Tensor | None:
+        """Input embeddings as generate takes them ([batch, pos, d_model] or [pos, d_model], floating
+        point), on the engine's device in the model's dtype; None for text or tokens."""
+        if not (isinstance(input, torch.Tensor) and input.is_floating_point()):
+            return None
+        embeds = input[None] if input.dim() == 2 else input
+        if embeds.dim() != 3 or embeds.shape[-1] != self.cfg.d_model or embeds.shape[1] == 0:
+            raise ValueError(f"input embeddings must be [batch, pos, d_model={self.cfg.d_model}], got "
+                             f"{list(input.shape)}")
+        return embeds.to(self.engine.device, self.cfg.dtype)
 
     def _format_generated(self, input, full: list[list[int]], return_type: str):
         """Text for text input (or return_type "str"), else padded token rows. Text is decoded
-        without special tokens (BOS, EOS, padding), as TransformerLens's generate decodes it."""
-        text_in = not isinstance(input, torch.Tensor) and (isinstance(input, str) or isinstance(input[0], str))
+        without special tokens (BOS, EOS, padding), as TransformerLens's generate decodes it: one
+        string where there is one row (TransformerLens's rule), else a list."""
+        text_in = isinstance(input, (str, list, tuple)) and (isinstance(input, str) or isinstance(input[0], str))
         if return_type == "str" or (return_type == "input" and text_in):
             texts = [self.tokenizer.decode(t, skip_special_tokens=True) for t in full]
-            return texts[0] if isinstance(input, str) else texts
+            return texts[0] if len(texts) == 1 else texts
         out = torch.full((len(full), max(len(t) for t in full)), self.tokenizer.pad_token_id, dtype=torch.long)
         for i, t in enumerate(full):
             out[i, : len(t)] = torch.tensor(t)

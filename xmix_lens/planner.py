@@ -165,9 +165,13 @@ class Planner:
 
         return Call(plans, finish)
 
-    def generate(self, rows: Rows, max_new_tokens: int, sampling: dict, apps=None, progress: str | None = None):
+    def generate(self, rows: Rows, max_new_tokens: int, sampling: dict, apps=None, progress: str | None = None,
+                 prompt_writes: dict | None = None, output_logits: bool = False):
         """Generate from the rows with the hooks on the hook points (traced for the prompt and for
-        generated tokens): each row's prompt and new tokens, and with apps, an AppRun's outputs."""
+        generated tokens): each row's prompt and new tokens, with apps an AppRun's outputs, and with
+        `output_logits` the logits each new token was sampled from (step_logits), else None.
+        `prompt_writes` (hook point -> [batch, pos, ...] value) are written on the prompt before any
+        hook there: generating from embeddings writes them at hook_embed."""
         P = rows.tokens.shape[1]
         self.check_length(max(len(r) for r in rows.rows) + max_new_tokens)
         selection = self.registry.selection(apps, len(rows.rows))
@@ -177,19 +181,22 @@ class Planner:
         plans = []
         for g in groups:
             traced = self.traced_apps(g)
+            written = [App("prompt-writes", [(name, _writer(value[g.rows])) for name, value in (prompt_writes or {}).items()])]
             with attached(self.hook_dict, traced):
-                prompt = self.trace_hooks(len(g.rows), P)
+                with attached(self.hook_dict, written):
+                    prompt = self.trace_hooks(len(g.rows), P)
                 g.outputs = snapshot(traced)
                 decode = self.trace_hooks(len(g.rows), 1, inherited=prompt.per_request_stores, phase="decode")
                 g.generated_outputs = snapshot(traced)
             plans.append(self.plan(g, rows, prompt, decode, max_new_tokens, sampling))
         writing = {name for plan in plans for phase in (plan.prompt, plan.decode)
                    for name, ops in phase.ops.items() if any(op.writes for op in ops)}
-        if computed and (selection or writing):
+        writing -= set(prompt_writes or ())
+        if (computed or output_logits) and (selection or writing):
             why = "apps are selected" if selection else f"hooks write at {sorted(writing)}"
-            raise ValueError(f"hooks on {list(computed)} fire in generate only when nothing else changes the pass "
-                             f"(they are computed after it, from a pass over the generated tokens), but {why}: "
-                             f"use run_with_hooks on the generated tokens")
+            asked = f"hooks on {list(computed)} fire" if computed else "output_logits works"
+            raise ValueError(f"{asked} in generate only when nothing else changes the pass (computed after it, from "
+                             f"a pass over the generated tokens), but {why}: use run_with_hooks on the generated tokens")
         full: list = [None] * len(rows.rows)
         for g, plan, outcome in zip(groups, plans, self.run(plans, progress=progress)):
             for row, new in zip(g.rows, outcome.tokens):
@@ -200,10 +207,12 @@ class Planner:
             g.generated_outputs.update(newest_reads)
         if computed:
             self.fire_computed_in_generated(computed, rows.rows, full)
+        step_logits = self.step_logits(rows.rows, full, prompt_writes) if output_logits else None
         if selection is None:
-            return full, None
+            return full, None, step_logits
         B = len(rows.rows)
-        return full, AppRun(None, merged(groups, B, "outputs"), merged(groups, B, "generated_outputs"), selection)
+        run = AppRun(None, merged(groups, B, "outputs"), merged(groups, B, "generated_outputs"), selection)
+        return full, run, step_logits
 
     def check_length(self, n: int) -> None:
         limit = self.engine.max_model_len
@@ -398,17 +407,10 @@ class Planner:
         far]). They are computed from one pass over the prompts and generated tokens, left-padded as
         TransformerLens's generate pads (rows that stopped early continue with padding tokens, as
         there); only reads are allowed (generate checked that nothing writes)."""
-        P, steps = max(len(r) for r in prompts), max(len(f) - len(r) for f, r in zip(full, prompts)) - 1
-        pad = self.pad_token_id
-        tokens = torch.full((len(full), P + steps), pad, dtype=torch.long)
-        mask = torch.zeros_like(tokens)
-        for b, (row, prompt) in enumerate(zip(full, prompts)):
-            seq = (row[: len(prompt) + steps] + [pad] * steps)[: len(prompt) + steps]
-            tokens[b, P - len(prompt):], mask[b, P - len(prompt):] = torch.tensor(seq), 1
+        generated, P, steps = self._generated_rows(prompts, full)
         reads: dict[str, torch.Tensor] = {}
         with self.root.silenced(self.hook_dict), self.root.hooks(self.source_reads(computed, reads)):
-            call = self.forward_call(Rows.of(tokens, mask, self.cfg.d_vocab),
-                                     "logits" if UNEMBED_OUT in computed else None)
+            call = self.forward_call(generated, "logits" if UNEMBED_OUT in computed else None)
             logits = call.finish(self.run(call.plans))
         offsets = [P - len(r) for r in prompts]
         allowed = attention_points.allowed(offsets, [len(r) + steps for r in prompts], P + steps)
@@ -430,22 +432,49 @@ class Planner:
                                               f"points run in forward passes (run_with_hooks), where a further pass "
                                               f"applies them; generate computes them after generating")
 
+    def step_logits(self, prompts: list[list[int]], full: list[list[int]], prompt_writes: dict | None) -> tuple:
+        """TransformerLens's generate(output_logits=True) logits: per new token, [batch, d_vocab], the
+        logits it was sampled from (before temperature and top-k/p). Computed from one pass over the
+        prompts and generated tokens, laid out as fire_computed_in_generated lays them out (generate
+        checked that no hook changes the pass); the hooks are not called again."""
+        generated, P, steps = self._generated_rows(prompts, full)
+        with self.root.silenced(self.hook_dict):
+            call = self.forward_call(generated, "logits")  # no apps: one plan, of every row
+            plans = [self._with_writes(plan, prompt_writes) for plan in call.plans] if prompt_writes else call.plans
+            logits = call.finish(self.run(plans))
+        return tuple(logits[:, P - 1 + j] for j in range(steps + 1))
+
+    def _generated_rows(self, prompts: list[list[int]], full: list[list[int]]) -> tuple[Rows, int, int]:
+        """The prompts and their generated tokens but the last, left-padded as TransformerLens's generate
+        pads them (rows that stopped early continue with padding tokens, as there): (rows, the padded
+        prompt length P, steps), steps being the most new tokens of a row less one."""
+        P, steps = max(len(r) for r in prompts), max(len(f) - len(r) for f, r in zip(full, prompts)) - 1
+        pad = self.pad_token_id
+        tokens = torch.full((len(full), P + steps), pad, dtype=torch.long)
+        mask = torch.zeros_like(tokens)
+        for b, (row, prompt) in enumerate(zip(full, prompts)):
+            seq = (row[: len(prompt) + steps] + [pad] * steps)[: len(prompt) + steps]
+            tokens[b, P - len(prompt):], mask[b, P - len(prompt):] = torch.tensor(seq), 1
+        return Rows.of(tokens, mask, self.cfg.d_vocab), P, steps
+
     def _with_writes(self, plan: PassPlan, writes: dict[str, torch.Tensor]) -> PassPlan:
         """The plan with `writes` (hook point -> [batch, pos, ...] value) written at those hook points
         before the ops already there."""
-        def writer(value):
-            def write(act, hook):
-                act[:] = value
-                return act
-            return write
-
         extra = self.trace_hooks(len(plan.rows), plan.prompt.padded_len,
-                                 hooks={name: [writer(value)] for name, value in writes.items()},
+                                 hooks={name: [_writer(value)] for name, value in writes.items()},
                                  phase="computed writes")
         ops = dict(plan.prompt.ops)
         for name, written in extra.ops.items():
             ops[name] = written + ops.get(name, [])
         return dataclasses.replace(plan, prompt=dataclasses.replace(plan.prompt, ops=ops))
+
+
+def _writer(value: torch.Tensor):
+    """A hook that writes `value` ([batch, pos, ...]) at act's first `pos` positions."""
+    def write(act, hook):
+        act[:, : value.shape[1]] = value
+        return act
+    return write
 
 
 def _next_token_nll(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

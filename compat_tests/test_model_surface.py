@@ -56,9 +56,20 @@ WEIGHTS = ["W_E", "W_pos", "W_Q", "W_K", "W_V", "W_O", "b_Q", "b_K", "b_V", "b_O
            "b_in", "b_out", "W_U", "b_U"]
 
 
+BIASES = {"b_Q": ("n_heads", "d_head"), "b_K": ("n_heads", "d_head"), "b_V": ("n_heads", "d_head"),
+          "b_O": ("d_model",), "b_in": ("d_mlp",), "b_out": ("d_model",)}
+
+
 def same_weight(ours, theirs) -> bool:
-    """Equal tensors, or both absent (Llama has no biases)."""
+    """Equal tensors, or both absent (GPT-2 has no W_gate)."""
     return ours is theirs is None or ours is not None and theirs is not None and torch.equal(ours, theirs)
+
+
+def hooked_transformer_zeros(tl, name, stacked):
+    """What HookedTransformer gave for a bias the checkpoint lacks (TransformerLens 4.3's bridge gives
+    None or raises): zeros of its shape."""
+    shape = ((tl.cfg.n_layers,) if stacked else ()) + tuple(getattr(tl.cfg, d) for d in BIASES[name])
+    return torch.zeros(shape, dtype=tl.cfg.dtype)
 
 
 def test_weights_are_transformer_lens_raw_weights(pair):
@@ -67,12 +78,16 @@ def test_weights_are_transformer_lens_raw_weights(pair):
         try:
             theirs = getattr(tl, name)
         except Exception as e:  # noqa: BLE001 (the same refusal either way)
+            if name in BIASES and "has no such parameter" in str(e):
+                assert same_weight(getattr(xl, name).cpu(), hooked_transformer_zeros(tl, name, True)), name
+                continue
             with pytest.raises(type(e)):
                 getattr(xl, name)
             continue
         assert same_weight(getattr(xl, name), theirs), name
     block, theirs = xl.blocks[1], tl.blocks[1]
-    assert same_weight(block.attn.W_Q, theirs.attn.W_Q) and same_weight(block.attn.b_O, theirs.attn.b_O)
+    b_O = theirs.attn.b_O if theirs.attn.b_O is not None else hooked_transformer_zeros(tl, "b_O", False)
+    assert same_weight(block.attn.W_Q, theirs.attn.W_Q) and same_weight(block.attn.b_O.cpu(), b_O)
     assert same_weight(block.mlp.W_out, theirs.mlp.W_out) and same_weight(block.ln1.w, theirs.ln1.w)
     assert list(xl.state_dict()) == list(tl.state_dict())
     assert sum(p.numel() for p in xl.parameters()) == sum(p.numel() for p in tl.parameters())
@@ -122,6 +137,7 @@ def test_nn_module_surface(pair):
     assert xl.to_single_token(word) == tl.to_single_token(word)
     with pytest.raises(AssertionError, match="not a single token"):
         xl.to_single_token(PROMPT)
+    assert xl.to_single_str_token(int(tokens[1])) == tl.to_single_str_token(int(tokens[1]))
     assert xl.get_token_position(word, PROMPT) == tl.get_token_position(word, PROMPT)
     assert xl.get_token_position(word, PROMPT, mode="last") == tl.get_token_position(word, PROMPT, mode="last")
 
@@ -345,3 +361,15 @@ def test_input_to_embed(pair):
     assert torch.equal(tokens, theirs[1]) and shortformer is None and mask is None
     assert close(residual, theirs[0].detach())
     assert close(xl(residual, start_at_layer=0), tl(tokens).detach())
+
+
+def test_svd_interpreter_reads_the_served_weights_as_transformer_lens(pair):
+    """TransformerLens's SVDInterpreter takes the model (its tl_parameters): the same singular vectors."""
+    from transformer_lens import SVDInterpreter
+
+    xl, tl = pair
+    assert list(xl.tl_parameters()) == list(tl.tl_parameters())
+    for kind in ("OV", "w_in", "w_out"):
+        ours = SVDInterpreter(xl).get_singular_vectors(kind, layer_index=1, num_vectors=3, head_index=0)
+        theirs = SVDInterpreter(tl).get_singular_vectors(kind, layer_index=1, num_vectors=3, head_index=0)
+        assert close(ours.cpu(), theirs), kind

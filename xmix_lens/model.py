@@ -231,6 +231,13 @@ class HookedServedModel(HookedRoot):
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         return self.tl.named_parameters(prefix, recurse, remove_duplicate)
 
+    def tl_parameters(self) -> dict[str, torch.Tensor]:
+        """TransformerLens's parameters by its names (`blocks.0.attn.W_Q` ...), as SVDInterpreter reads them."""
+        return self.tl.tl_parameters()
+
+    def tl_named_parameters(self):
+        return self.tl.tl_named_parameters()
+
     def state_dict(self, *args, **kwargs) -> dict:
         """TransformerLens's state dict (its keys, from model.tl: the raw weights the engine serves)."""
         return self.tl.state_dict(*args, **kwargs)
@@ -336,6 +343,11 @@ class HookedServedModel(HookedRoot):
             raise AssertionError(f"Input string: {string} is not a single token! It is {tokens.numel()} tokens: "
                                  f"{self.to_str_tokens(tokens)}")
         return int(tokens[0])
+
+    def to_single_str_token(self, int_token: int) -> str:
+        """TransformerLens's: the string of one token id."""
+        assert isinstance(int_token, int), f"to_single_str_token takes a token id (int), got {type(int_token).__name__}"
+        return self.to_str_tokens(torch.tensor([int_token]))[0]
 
     def get_token_position(self, single_token, input, mode: str = "first", prepend_bos: bool | None = None,
                            padding_side: str | None = None) -> int:

@@ -252,11 +252,37 @@ def _parameters_on_meta():
         torch.nn.Module.register_parameter = register
 
 
+# a bias-free checkpoint's biases (Llama's), as HookedTransformer gave them: zeros of the bias's shape
+# in one layer (TransformerLens 4.3's bridge raises instead; code written for HookedTransformer, e.g.
+# sums of biases, reads them)
+_ZERO_BIASES = {"b_Q": ("n_heads", "d_head"), "b_K": ("n_heads", "d_head"), "b_V": ("n_heads", "d_head"),
+                "b_O": ("d_model",), "b_in": ("d_mlp",), "b_out": ("d_model",)}
+
+
+def zero_bias(model, name: str, stacked: bool) -> torch.Tensor:
+    """HookedTransformer's zeros for a bias the checkpoint does not have: [n_layers, *shape] for the
+    model's (`model.b_O`), [*shape] for a block's (`model.blocks[0].attn.b_O`); on the model's device,
+    in its dtype."""
+    cfg = model.cfg
+    shape = ((cfg.n_layers,) if stacked else ()) + tuple(getattr(cfg, dim) for dim in _ZERO_BIASES[name])
+    return torch.zeros(shape, dtype=cfg.dtype, device=cfg.device)
+
+
+def _bias_free(error: AttributeError) -> bool:
+    return "has no such parameter" in str(error)
+
+
 def tl_weight(name: str) -> property:
     """A model attribute that is TransformerLens's weight of that name (`model.W_Q`, stacked over
-    layers as TransformerLens stacks it), from model.tl; assigning to it is refused."""
+    layers as TransformerLens stacks it), from model.tl; assigning to it is refused. A bias the
+    checkpoint lacks is zeros, as HookedTransformer's (zero_bias)."""
     def get(model):
-        return getattr(model.tl, name)
+        try:
+            return getattr(model.tl, name)
+        except AttributeError as error:
+            if name in _ZERO_BIASES and _bias_free(error):
+                return zero_bias(model, name, stacked=True)
+            raise
 
     def refuse(model, value):
         raise AttributeError(READ_ONLY.format(what=f"model.{name}"))
@@ -291,7 +317,11 @@ class ComponentView:
             return self._model.hook_dict[name]
         if attr in self._PARTS and self._path.count(".") == 1 and self._path.startswith("blocks."):
             return ComponentView(self._model, f"{self._path}.{attr}")
-        return getattr(self.tl_module(), attr)
+        module = self.tl_module()
+        value = getattr(module, attr)
+        if value is None and attr in _ZERO_BIASES and self._path.endswith((".attn", ".mlp")):
+            return zero_bias(self._model, attr, stacked=False)  # the bias-free checkpoint's, as HookedTransformer's
+        return value
 
     def tl_module(self):
         """The same part of TransformerLens's model (model.tl)."""

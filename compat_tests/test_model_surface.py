@@ -373,3 +373,18 @@ def test_svd_interpreter_reads_the_served_weights_as_transformer_lens(pair):
         ours = SVDInterpreter(xl).get_singular_vectors(kind, layer_index=1, num_vectors=3, head_index=0)
         theirs = SVDInterpreter(tl).get_singular_vectors(kind, layer_index=1, num_vectors=3, head_index=0)
         assert close(ours.cpu(), theirs), kind
+
+
+@pytest.mark.parametrize("pos_slice", [-1, (1, 4), [0, 2, 3], slice(2, None)])
+def test_run_with_cache_pos_slice_as_transformer_lens(pair, pos_slice):
+    from transformer_lens.utilities.slice import Slice
+
+    xl, tl = pair
+    names = ["blocks.0.hook_resid_post", "blocks.1.attn.hook_z", "blocks.1.attn.hook_pattern"]
+    tokens = tl.to_tokens(PROMPT)
+    for given in (pos_slice, Slice(pos_slice)):
+        logits, ours = xl.run_with_cache(tokens, names_filter=names, pos_slice=given)
+        _, theirs = tl.run_with_cache(tokens, names_filter=names, pos_slice=given)
+        for name in names:
+            assert close(ours[name].cpu(), theirs[name]), name
+        assert logits.shape[1] == tokens.shape[1]  # the result keeps every position

@@ -410,14 +410,21 @@ class HookedServedModel(HookedRoot):
 
     @one_call_at_a_time
     def run_with_cache(self, input, names_filter=None, return_type: str | None = "logits",
-                       remove_batch_dim: bool = False, return_cache_object: bool = True, device=None, **kwargs):
+                       remove_batch_dim: bool = False, return_cache_object: bool = True, device=None,
+                       pos_slice=None, **kwargs):
         """TransformerLens's: the result and the activations at the hook points `names_filter` picks,
-        on the model's device in its dtype; `device` moves the cached ones there (as ActivationCache.to)."""
+        on the model's device in its dtype; `device` moves the cached ones there (as ActivationCache.to).
+        `pos_slice` (TransformerLens's Slice or its input: an int, a (start, stop[, step]) tuple, a list
+        of positions) keeps those positions of each: the query positions of patterns and scores, so
+        only they are read from the engine."""
         names = self._cache_names(names_filter)
         cache: dict[str, torch.Tensor] = {}
+        positions = _position_slice(pos_slice)
 
         def save(name):
             def save_hook(act, hook):
+                if positions is not None:  # as TransformerLens picks the position axis
+                    act = positions.apply(act, dim=-2 if name.endswith(("hook_pattern", "hook_attn_scores")) else 1)
                 cache[name] = act.detach()
             return save_hook
 
@@ -743,6 +750,17 @@ def _bad_input(input) -> Exception:
     i, item = next((i, t) for i, t in enumerate(input) if not isinstance(t, str))
     return TypeError(f"input mixes strings and other items: item {i} is {type(item).__name__} {item!r}; pass a list "
                      f"of strings, or a list of token-id lists (tokenize the strings with model.to_tokens first)")
+
+
+def _position_slice(pos_slice):
+    """TransformerLens's Slice of a pos_slice argument; None where every position is kept."""
+    if pos_slice is None:
+        return None
+    from transformer_lens.utilities.slice import Slice
+
+    positions = Slice.unwrap(pos_slice)
+    keeps_all = isinstance(positions.slice, slice) and positions.slice == slice(None)
+    return None if keeps_all else positions
 
 
 # TransformerLens's loader options that would load other weights than the folder's, and why not here

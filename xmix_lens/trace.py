@@ -20,6 +20,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
 
@@ -641,6 +642,9 @@ class Tracer:
 
         pos / heads: None (all), an int (dim dropped) or a tuple of ints (dim kept)."""
         key = key if isinstance(key, tuple) else (key,)
+        # index arrays and lists (act[:, [0, 2]], TransformerLens's Slice of positions) as tuples: they
+        # compare with Ellipsis and slices below without an elementwise truth value
+        key = tuple(_index_tuple(k) for k in key)
         if key == (Ellipsis, None):
             return "newaxis"
         if any(k is None for k in key):
@@ -772,3 +776,12 @@ class Tracer:
         def part(p):
             return slice(None) if p is None else (list(p) if isinstance(p, tuple) else p)
         return (slice(None), part(pos), part(heads))
+
+
+def _index_tuple(k):
+    """An index array or list as a tuple of its elements; any other index as it is."""
+    if isinstance(k, list):
+        return tuple(k)
+    if isinstance(k, np.ndarray) or (isinstance(k, torch.Tensor) and not isinstance(k, TracedTensor) and k.dim() == 1):
+        return tuple(k.tolist())
+    return k

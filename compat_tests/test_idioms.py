@@ -138,6 +138,26 @@ def test_zero_ablate_head(model, padding_side, served, reference, tolerance):
     check_write(xl, tl, hooks, tolerance(model)[1], padding_side)
 
 
+@pytest.mark.parametrize("model, padding_side", EVERY)
+def test_ablate_one_batch_row(model, padding_side, served, reference, tolerance):
+    """TransformerLens's own tests write one batch element (`z[1, :] = 0`): a constant into some rows."""
+    xl, tl = served[model], reference[model]
+
+    def ablate_row(act, hook):  # act: [batch, pos, head, d_head]
+        act[1, :] = 0.0
+        act[0, :, HEAD] = 0.5
+
+    hooks = [("blocks.0.attn.hook_z", ablate_row)]
+    assert lowered(xl, hooks) == ["generated write", "generated write"]  # one per assignment
+    check_write(xl, tl, hooks, tolerance(model)[1], padding_side)
+
+    def copy_row(act, hook):
+        act[1] = act[0]
+
+    with pytest.raises(Exception, match="batch dim must be taken whole"):
+        xl.run_with_hooks(PROMPTS, fwd_hooks=[("blocks.0.hook_resid_post", copy_row)])
+
+
 @pytest.mark.parametrize("model, padding_side", FEW)
 def test_mean_ablate_head(model, padding_side, served, reference, tolerance):
     xl, tl = served[model], reference[model]

@@ -720,6 +720,9 @@ class Tracer:
                                 f"act must have act's shape {list(x.shape)} (or use torch.where)")
             self.write_into(x, self.record("masked_fill", (x, key, value), {}))
             return
+        first = _index_tuple(key[0] if isinstance(key, tuple) and key else key)
+        if first is not Ellipsis and first is not None and not isinstance(first, TracedTensor) and first != slice(None):
+            return self.write_batch_rows(x, key, value)
         parsed = self.parse_index(x._node, key)
         if parsed == "newaxis":
             raise self.fail("assignment through [..., None]")
@@ -734,6 +737,24 @@ class Tracer:
         except RuntimeError:
             raise self.fail(f"cannot assign a value of shape {list(v.shape)} to a slot of shape {list(slot)}") from None
         self.version = self.add("write", (self.version, v, pos, heads), x._node.shape, 2)
+        x._node = self.version
+
+    def write_batch_rows(self, x: "TracedTensor", key, value) -> None:
+        """act[1, :] = 0 (TransformerLens's tests do it): some batch rows written with a constant, as
+        torch.where(mask, the value there, act) with the mask and the value constants of act's shape."""
+        if isinstance(value, TracedTensor):
+            raise self.fail(f"assignment of a traced value into batch rows (act[{key!r}] = ...): rows of a batch are "
+                            f"separate requests in the engine; write a constant there, or use torch.where with a "
+                            f"mask over the batch")
+        mask = torch.zeros(x.shape, dtype=torch.bool)
+        written = torch.zeros(x.shape, dtype=x.dtype)
+        try:
+            mask[key] = True
+            written[key] = torch.as_tensor(value, dtype=x.dtype)
+        except (IndexError, RuntimeError) as e:
+            raise self.fail(f"cannot assign into act[{key!r}] of shape {list(x.shape)}: {e}") from None
+        new = torch.where(mask, written, x)
+        self.version = self.add("write", (self.version, self.node_of(new), None, None), x._node.shape, 2)
         x._node = self.version
 
     def write_into(self, x, value) -> "TracedTensor":

@@ -331,6 +331,8 @@ class ComponentView:
         return module
 
     def __call__(self, *args, **kwargs):
+        if self._path == "pos_embed":  # HookedTransformer's signature; the bridge's module takes position ids
+            return hooked_pos_embed(self.tl_module().weight, *args, **kwargs)
         return self.tl_module()(*args, **kwargs)
 
     def __setattr__(self, attr: str, value) -> None:
@@ -338,6 +340,22 @@ class ComponentView:
 
     def __repr__(self) -> str:
         return f"ComponentView({self._path!r}: served hook points, TransformerLens's weights)"
+
+
+def hooked_pos_embed(W_pos: torch.Tensor, tokens: torch.Tensor, past_kv_pos_offset: int = 0,
+                     attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """HookedTransformer's `model.pos_embed(tokens, past_kv_pos_offset, attention_mask)`: the positional
+    embedding of each token, [batch, pos, d_model]. Without a mask, positions offset..offset+pos; with
+    one ([batch, offset + pos], 1 at real tokens), each real token's position counts the real tokens
+    before it, and padding gets zeros."""
+    length = tokens.shape[-1]
+    if attention_mask is None:
+        rows = W_pos[past_kv_pos_offset: past_kv_pos_offset + length]
+        return rows.expand(tokens.shape[0], *rows.shape).clone()
+    mask = attention_mask.to(W_pos.device)
+    positions = (mask.cumsum(dim=1) - 1).clamp(min=0)[:, past_kv_pos_offset: past_kv_pos_offset + length]
+    padding = ~mask.bool()[:, past_kv_pos_offset: past_kv_pos_offset + length, None]
+    return W_pos[positions].masked_fill(padding, 0)
 
 
 class HookMirror:

@@ -1,9 +1,10 @@
 """TransformerLens's weight processing (from_pretrained(fold_ln=True, ...)): the engine serves the
 weights TransformerLens's own processing makes (tl_surface.processed_folder), checked against
 TransformerLens's bridge with the same processing on the same checkpoint: logits, activations,
-weights. Two cases: the tiny Llama with HookedTransformer.from_pretrained's default flags
-(refactor_factored_attn_matrices, which TransformerLens refuses for rotary models, left out), and
-the tiny GPT-2 with every flag but fold_ln (refused for GPT-2: test_model_surface.py)."""
+weights. Three cases: the tiny Llama with HookedTransformer.from_pretrained's default flags
+(refactor_factored_attn_matrices, which TransformerLens refuses for rotary models, left out), the
+tiny GPT-2 with every flag, and the tiny GPT-2 with fold_ln alone: folding its final LayerNorm gives
+an unembedding bias b_U, which the served output layer then has (families.UNEMBEDDING_BIAS)."""
 import pytest
 import torch
 
@@ -15,8 +16,9 @@ ATOL = 1e-3  # engine (vLLM, fp32) against TransformerLens (HF eager, fp32) on t
 CASES = {
     "tiny-llama": (tiny_llama, {"fold_ln": True, "center_writing_weights": True, "center_unembed": True,
                                 "fold_value_biases": True}),
-    "tiny-gpt2": (tiny_gpt2, {"center_writing_weights": True, "center_unembed": True, "fold_value_biases": True,
-                              "refactor_factored_attn_matrices": True}),
+    "tiny-gpt2": (tiny_gpt2, {"fold_ln": True, "center_writing_weights": True, "center_unembed": True,
+                              "fold_value_biases": True, "refactor_factored_attn_matrices": True}),
+    "tiny-gpt2-fold-ln": (tiny_gpt2, {"fold_ln": True}),
 }
 
 
@@ -30,7 +32,7 @@ def processed(request):
     assert {flag for flag, on in model.processing.items() if on} == set(flags)
     ref = TLReference(folder())
     ref.bridge.enable_compatibility_mode(disable_warnings=True, **model.processing)  # all five: TL's defaults are True
-    yield model, ref, request.param
+    yield model, ref, request.param.removesuffix("-fold-ln")
     model.shutdown()
 
 
@@ -51,7 +53,20 @@ def test_processed_weights_are_transformer_lens_processed_weights(processed, ref
     # processing changed them: the norm's weight folded in (Llama), the writing weights centred (GPT-2)
     changed = "W_Q" if xl.processing["fold_ln"] else "W_O"
     assert (getattr(xl, changed) - getattr(raw, changed)).abs().max() > 0.01
-    for weight in ("W_Q", "W_K", "W_V", "W_O", "W_in", "W_out", "W_E", "W_U"):
+    for weight in ("W_Q", "W_K", "W_V", "W_O", "W_in", "W_out", "W_E", "W_U", "b_U"):
         assert torch.allclose(getattr(xl, weight), getattr(tl.bridge, weight), atol=1e-6), weight
     if xl.processing["fold_ln"]:
         assert torch.allclose(xl.blocks[0].ln1.w, torch.ones(xl.cfg.d_model))  # folded into the weights after it
+
+
+def test_folded_unembedding_bias_is_served_in_generation(processed):
+    """Greedy tokens of the processed model are TransformerLens's processed model's: sampling sees the
+    served logits, b_U included."""
+    xl, tl, _ = processed
+    tokens = tl.to_tokens(PROMPTS[:1])
+    ours = xl.generate(tokens, max_new_tokens=5, do_sample=False, return_type="tokens")
+    theirs = tl.bridge.generate(tokens, max_new_tokens=5, do_sample=False, stop_at_eos=False, verbose=False,
+                                use_past_kv_cache=False)
+    assert torch.equal(ours.cpu(), theirs)
+    if xl.processing["fold_ln"] and xl.cfg.normalization_type == "LN":
+        assert xl.b_U.abs().max() > 0.01  # the folded final LayerNorm's bias

@@ -85,6 +85,11 @@ GPT2 = Family(
 )
 
 FAMILIES = {family.name: family for family in (LLAMA, GPT2)}
+
+# A checkpoint's config flag: its output layer has a bias, `lm_head.bias` (TransformerLens's b_U), which
+# the family's Hugging Face and vLLM models lack (folding GPT-2's final LayerNorm makes one): the
+# engine's model and model.tl add it (backend/vllm/instrumented.py, tl_surface.py)
+UNEMBEDDING_BIAS = "xmix_unembedding_bias"
 ARCHITECTURES = {arch: family for family in FAMILIES.values() for arch in family.architectures}
 
 

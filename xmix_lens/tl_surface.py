@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from .families import ARCHITECTURES, Family
+from .families import ARCHITECTURES, UNEMBEDDING_BIAS, Family
 from .hook_points import SWITCHED, HookPoint, canonical_name
 from .model_files import _build_once, cache_dir
 
@@ -117,11 +117,13 @@ def _save_processed(model_dir: Path, flags: dict[str, bool], folder: Path) -> No
     family = ARCHITECTURES.get((config.architectures or ["?"])[0])
     if family is None:
         raise ValueError(f"weight processing for {config.model_type} models is not supported; load without it")
-    state = _hf_state(bridge, family, flags)
+    state = _hf_state(bridge, family)
     # centring the unembedding changes it alone: a tied embedding is untied
     (embedding,) = (name for name, _, *weights in family.checkpoint if weights == ["W_E"])
     config.tie_word_embeddings = torch.equal(state["lm_head.weight"], state[embedding])
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    if "lm_head.bias" in state:
+        setattr(config, UNEMBEDDING_BIAS, True)
+    model = _with_unembedding_bias(AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval(), config)
     model.load_state_dict(state)
     probe = torch.arange(1, 9)[None]
     with torch.no_grad():
@@ -160,22 +162,22 @@ def _tl_weight(module, path: str):
     return getattr(functools.reduce(getattr, parents, module), name, None)
 
 
-def _hf_state(bridge, family: Family, flags: dict[str, bool]) -> dict[str, torch.Tensor]:
+def _hf_state(bridge, family: Family) -> dict[str, torch.Tensor]:
     """TransformerLens's (processed) weights, W_Q [layer, head, d_model, d_head] and friends, as the
-    Hugging Face model's state dict (the family's checkpoint). A bias the Hugging Face model has no
-    place for must be zero."""
+    Hugging Face model's state dict (the family's checkpoint), with `lm_head.bias` where b_U is not
+    zero (UNEMBEDDING_BIAS). A block bias the Hugging Face model has no place for must be zero."""
     def zero_or_absent(name, t):
         if t is not None and t.detach().abs().max() > 0:
-            raise ValueError(f"{', '.join(f for f, on in flags.items() if on)}: the processing gives a nonzero "
-                             f"{name}, which this architecture has no place for in the served model (folding "
-                             f"the final LayerNorm moves its bias into b_U); load with fold_ln=False")
+            raise ValueError(f"the weight processing gives a nonzero {name}, which this architecture has no place "
+                             f"for in the served model; load without weight processing")
 
     def laid_out(module, layout, weights):
         tensors = [LAYOUTS[layout](_tl_weight(module, w)) for w in weights]
         return tensors[0] if len(tensors) == 1 else torch.cat(tensors, -1)
 
-    zero_or_absent("b_U", bridge.b_U)
     state = {"lm_head.weight": bridge.W_U.T}
+    if bridge.b_U is not None and bridge.b_U.detach().abs().max() > 0:  # folding a LayerNorm's bias makes one
+        state["lm_head.bias"] = bridge.b_U
     state.update({name: laid_out(bridge, layout, weights) for name, layout, *weights in family.checkpoint
                   if "{L}" not in name})
     for L, block in enumerate(bridge.blocks):
@@ -206,8 +208,9 @@ def _hf_model_on(model_dir, device: torch.device, dtype: torch.dtype, engine_ten
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.pytorch_utils import Conv1D
 
+    config = AutoConfig.from_pretrained(model_dir)
     with _parameters_on_meta():  # its shapes and layout, no memory
-        skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=dtype)
+        skeleton = _with_unembedding_bias(AutoModelForCausalLM.from_config(config, dtype=dtype), config)
     views = {}
     for name, param in skeleton.named_parameters(remove_duplicate=False):
         tensor = engine_tensors.get(name)
@@ -223,6 +226,9 @@ def _hf_model_on(model_dir, device: torch.device, dtype: torch.dtype, engine_ten
     model = skeleton
     if any(name not in views for name, _ in skeleton.named_parameters(remove_duplicate=False)):
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        if getattr(model.config, UNEMBEDDING_BIAS, False):  # which from_pretrained leaves out of the model
+            _with_unembedding_bias(model, model.config)
+            views.setdefault("lm_head.bias", _checkpoint_tensor(model_dir, "lm_head.bias").to(dtype))
     # every alias of one parameter (a tied unembedding) gets the same new one
     named = list(model.named_parameters(remove_duplicate=False))
     new = {id(param): torch.nn.Parameter(views[name], requires_grad=param.requires_grad)
@@ -232,6 +238,26 @@ def _hf_model_on(model_dir, device: torch.device, dtype: torch.dtype, engine_ten
             path, _, leaf = name.rpartition(".")
             setattr(model.get_submodule(path), leaf, new[id(param)])
     return model.to(device).eval()
+
+
+def _with_unembedding_bias(model, config):
+    """The Hugging Face model with a bias on its output layer where the config says the checkpoint has
+    one (UNEMBEDDING_BIAS); its forward then adds it, and TransformerLens's b_U reads it."""
+    if getattr(config, UNEMBEDDING_BIAS, False) and model.lm_head.bias is None:
+        weight = model.lm_head.weight
+        model.lm_head.bias = torch.nn.Parameter(torch.zeros(weight.shape[0], dtype=weight.dtype, device=weight.device))
+    return model
+
+
+def _checkpoint_tensor(model_dir, name: str) -> torch.Tensor:
+    """One tensor of the folder's safetensors files."""
+    from safetensors import safe_open
+
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            if name in f.keys():
+                return f.get_tensor(name)
+    raise KeyError(f"{name} is in none of {model_dir}'s safetensors files")
 
 
 @contextlib.contextmanager

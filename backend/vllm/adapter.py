@@ -212,6 +212,24 @@ def _eager_steps_when_needed(runner, runtime) -> None:
     manager.xmix_wrapped = True
 
 
+def add_unembedding_bias(lm_head) -> None:
+    """A bias on vLLM's output layer (a ParallelLMHead built without one), loaded from the checkpoint's
+    `lm_head.bias` as its weight is: one row per vocabulary entry of this rank's shard, padding 0."""
+    from vllm.model_executor.utils import set_weight_attrs
+
+    weight = lm_head.weight
+    bias = torch.nn.Parameter(torch.zeros(weight.shape[0], dtype=weight.dtype, device=weight.device),
+                              requires_grad=False)
+    set_weight_attrs(bias, {"output_dim": 0, "weight_loader": lm_head.weight_loader})
+    lm_head.register_parameter("bias", bias)
+
+
+def logits_with_bias(model, hidden_states: torch.Tensor) -> torch.Tensor:
+    """The model's logits with its output layer's bias added (vLLM's models pass none to their
+    logits processor; it takes one as `embedding_bias`)."""
+    return model.logits_processor(model.lm_head, hidden_states, embedding_bias=model.lm_head.bias)
+
+
 def run_uncompiled() -> None:
     """This step's forward runs vLLM's model as written, not its compiled graph: the forward
     context's `skip_compiled` (vLLM 0.26 and 0.27 both honour it in `support_torch_compile`)."""

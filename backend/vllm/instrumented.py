@@ -20,7 +20,7 @@ from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_pa
 from vllm.logger import init_logger
 
 from xmix_lens import app_config
-from xmix_lens.families import FAMILIES
+from xmix_lens.families import FAMILIES, UNEMBEDDING_BIAS
 from xmix_lens.hook_points import feature_shape, hook_names
 
 from . import adapter, site_op
@@ -81,7 +81,17 @@ class _Instrumented:
 
     def __init__(self, *, vllm_config, prefix: str = ""):
         super().__init__(vllm_config=vllm_config, prefix=prefix)
+        # TransformerLens's processing (fold_ln) can give an unembedding bias b_U, which the family's
+        # output layer lacks; the processed folder's config says so (tl_surface.UNEMBEDDING_BIAS)
+        self.xmix_unembedding_bias = bool(getattr(vllm_config.model_config.hf_config, UNEMBEDDING_BIAS, False))
+        if self.xmix_unembedding_bias:
+            adapter.add_unembedding_bias(self.lm_head)
         self._install(vllm_config)
+
+    def compute_logits(self, hidden_states, *args, **kwargs):
+        if self.xmix_unembedding_bias:
+            return adapter.logits_with_bias(self, hidden_states)
+        return super().compute_logits(hidden_states, *args, **kwargs)
 
     def _install(self, vllm_config) -> None:
         hf_config = vllm_config.model_config.hf_config

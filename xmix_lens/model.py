@@ -128,7 +128,8 @@ class HookedServedModel(HookedRoot):
         family = families.family_of_architecture(arch).name
         tokenizer = tl_surface.load_tokenizer(model_dir, tokenizer, default_padding_side)
         cfg = tl_surface.bridge_config(hf, str(name_or_path), torch_dtype, tokenizer, family)
-        cfg.default_padding_side = tokenizer.padding_side
+        if default_padding_side is not None:  # as TransformerLens's config records it (None: the tokenizer's)
+            cfg.default_padding_side = default_padding_side
         if default_prepend_bos is not None:
             cfg.default_prepend_bos = default_prepend_bos
 

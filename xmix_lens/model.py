@@ -646,7 +646,7 @@ class HookedServedModel(HookedRoot):
         out = torch.full((len(full), max(len(t) for t in full)), self.tokenizer.pad_token_id, dtype=torch.long)
         for i, t in enumerate(full):
             out[i, : len(t)] = torch.tensor(t)
-        return out
+        return out.to(self.engine.device)  # where TransformerLens's generate returns its tokens
 
     @one_call_at_a_time
     def explain(self, input="Hello world", fwd_hooks: Iterable[HookSpec] | None = None) -> str:

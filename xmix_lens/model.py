@@ -454,7 +454,7 @@ class HookedServedModel(HookedRoot):
     def forward(self, input, return_type: str | None = "logits", prepend_bos: bool | None = None,
                 padding_side: str | None = None, attention_mask=None, loss_per_token: bool = False, apps=None,
                 start_at_layer: int | None = None, stop_at_layer: int | None = None, tokens=None,
-                shortformer_pos_embed=None):
+                shortformer_pos_embed=None, past_kv_cache=None):
         """One forward pass with the hooks on the hook points. With `apps` (names, or one list per
         row; or apps made active by `activate`), an AppRun: the result and what the apps read.
 
@@ -469,6 +469,10 @@ class HookedServedModel(HookedRoot):
         the call runs in model.tl instead, TransformerLens's own model on the same weights (CPU,
         fp32), with every hook of the hook points (forward and backward), so that `.backward()` on
         the result runs the backward hooks; they stay on model.tl until hooks are next removed."""
+        if past_kv_cache is not None:  # TransformerLens 4.3's bridge accepts it and silently runs without the past
+            raise NotImplementedError("past_kv_cache (TransformerLens's KV cache) is not served yet: run the whole "
+                                      "sequence (the engine's prefix cache reuses the prompt's keys and values), or "
+                                      "use generate() to continue a prompt token by token with hooks on each step")
         if shortformer_pos_embed is not None:
             raise ValueError(f"shortformer_pos_embed: this model adds no positional embedding at each attention "
                              f"layer ({self.cfg.positional_embedding_type} positions); pass None, as input_to_embed "

@@ -29,20 +29,21 @@ PROMPTS = ["Hello world!", "How are you today?", "I'm fine, thank you.", "I am h
 ATOL = 1e-4
 
 
-@pytest.fixture(params=["tiny-gpt2", "tiny-llama"])
-def model(request, served):
-    model = served[request.param]
+def padding_side_kept(model):
+    """The shared engine, its tokenizer's padding side put back after the case."""
     side = model.tokenizer.padding_side
     yield model
     model.tokenizer.padding_side = side
+
+
+@pytest.fixture(params=["tiny-gpt2", "tiny-llama"])
+def model(request, served):
+    yield from padding_side_kept(served[request.param])
 
 
 @pytest.fixture
 def gpt2(served):
-    model = served["tiny-gpt2"]
-    side = model.tokenizer.padding_side
-    yield model
-    model.tokenizer.padding_side = side
+    yield from padding_side_kept(served["tiny-gpt2"])
 
 
 def check_outputs_identity(i, single, left, right, left_start, left_end, right_start, right_end):

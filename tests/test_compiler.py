@@ -24,7 +24,7 @@ def run_lowered(fns, act: torch.Tensor):
     kept = tracer.finish()
     ops = lower(tracer.graph)
     runtime = SiteRuntime("llama", [SITE], {SITE}, torch.device("cpu"), max_tokens=B * P)
-    p = runtime.open_pass([P] * B, [0] * B, (P, {SITE: ops}))
+    p = runtime.open_pass([torch.arange(P)] * B, [0] * B, (P, {SITE: ops}))
     runtime.set_step(StepTokens(torch.zeros(B * P, dtype=torch.long), torch.arange(B).repeat_interleave(P),
                                 torch.zeros(B * P, dtype=torch.bool), torch.arange(P).repeat(B)))
     x = act.reshape(B * P, -1).clone()

@@ -278,12 +278,12 @@ def merged(groups: list[RowGroup], n_rows: int, which: str) -> dict:
     return merged
 
 
-def resident_reads(registry: AppRegistry, g: RowGroup, results: list[dict], offsets: list[int], width: int,
-                   dtype: torch.dtype, prompt_lens: list[int] | None = None) -> tuple[dict, dict]:
+def resident_reads(registry: AppRegistry, g: RowGroup, results: list[dict], places: list, width: int,
+                   dtype: torch.dtype, generating: bool = False) -> tuple[dict, dict]:
     """A group's reads by resident apps, shaped as the traced path returns them: per app and
-    output, [rows, width, *features] at padded prompt positions (zero where a row has no token)
-    and, when generating (prompt_lens given), [rows, 1, *features] for the newest token read; a read
-    of the last position (`act[:, -1]`: ResidentRead.last) without the position dim, as there."""
+    output, [rows, width, *features] at padded prompt positions (`places`: per row, each real token's;
+    zero where a row has no token) and, when `generating`, [rows, 1, *features] for the newest token
+    read; a read of the last position (`act[:, -1]`: ResidentRead.last) without the position dim, as there."""
     prompt, generated = {}, {}
     for name in g.apps:
         for key, (output, features, last) in (registry.installed[name].reads or {}).items():
@@ -294,9 +294,9 @@ def resident_reads(registry: AppRegistry, g: RowGroup, results: list[dict], offs
                     continue
                 positions, values = per_row[(name, key)]
                 values = values.reshape(len(values), *features).to(dtype)
-                in_prompt = positions < (prompt_lens[i] if prompt_lens else width - offsets[i])
-                at_prompt[i, positions[in_prompt] + offsets[i]] = values[in_prompt]
-                if prompt_lens and not bool(in_prompt.all()):
+                in_prompt = positions < len(places[i])
+                at_prompt[i, places[i][positions[in_prompt]]] = values[in_prompt]
+                if generating and not bool(in_prompt.all()):
                     newest[i, 0] = values[-1]  # positions are sorted: the last is the newest token's
             prompt.setdefault(name, {})[output] = at_prompt[:, -1] if last else at_prompt
             generated.setdefault(name, {})[output] = newest[:, 0] if last else newest

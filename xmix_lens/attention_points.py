@@ -11,8 +11,8 @@ attention layer received (after the rotary embedding and after any hooks on hook
 and of the values. A hook that changes them changes z: `z_from` gives the z that the changed pattern
 makes, and the model writes it at hook_z in a further pass (computed_points.targets).
 
-Positions are over the batch's padded layout, as every act is: row b's real tokens are
-[offset_b, offset_b + length_b). Padding query positions are fully masked (the engine computes
+Positions are over the batch's padded layout, as every act is: row b's real tokens are where its
+attention mask is 1. Masked query positions are fully masked (the engine computes
 nothing there; TransformerLens computes the pad tokens' own attention there).
 """
 import torch
@@ -26,11 +26,10 @@ def query_key_names(family: str, layer: int) -> tuple[str, str]:
     return f"blocks.{layer}.attn.hook_{rotated}q", f"blocks.{layer}.attn.hook_{rotated}k"
 
 
-def allowed(offsets: list[int], lengths: list[int], P: int, device=None) -> torch.Tensor:
-    """[batch, 1, query, key] bool: key j is a real token of the row at or before query i."""
-    pos = torch.arange(P, device=device)
-    start = torch.tensor(offsets, device=device)[:, None]
-    real = (pos >= start) & (pos < start + torch.tensor(lengths, device=device)[:, None])  # [B, P]
+def allowed(real: torch.Tensor) -> torch.Tensor:
+    """[batch, 1, query, key] bool from the real tokens [batch, pos]: key j is a real token of the
+    row at or before real query i."""
+    pos = torch.arange(real.shape[1], device=real.device)
     causal = pos[:, None] >= pos[None, :]  # [query, key]
     return (causal[None] & real[:, None, :] & real[:, :, None])[:, None]
 

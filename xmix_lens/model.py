@@ -469,15 +469,14 @@ class HookedServedModel(HookedRoot):
         the call runs in model.tl instead, TransformerLens's own model on the same weights (CPU,
         fp32), with every hook of the hook points (forward and backward), so that `.backward()` on
         the result runs the backward hooks; they stay on model.tl until hooks are next removed."""
-        if past_kv_cache is not None:  # TransformerLens 4.3's bridge accepts it and silently runs without the past
-            raise NotImplementedError("past_kv_cache (TransformerLens's KV cache) is not served yet: run the whole "
-                                      "sequence (the engine's prefix cache reuses the prompt's keys and values), or "
-                                      "use generate() to continue a prompt token by token with hooks on each step")
         if shortformer_pos_embed is not None:
             raise ValueError(f"shortformer_pos_embed: this model adds no positional embedding at each attention "
                              f"layer ({self.cfg.positional_embedding_type} positions); pass None, as input_to_embed "
                              f"returns it")
         if self.has_backward_hooks():
+            if past_kv_cache is not None:  # (TransformerLens 4.3's bridge would run without the past, silently)
+                raise NotImplementedError("past_kv_cache with backward hooks: the gradient path (model.tl) does not "
+                                          "continue a KV cache; run the whole sequence")
             return self._forward_in_tl(input, apps, return_type=return_type, prepend_bos=prepend_bos,
                                        padding_side=padding_side, attention_mask=attention_mask,
                                        loss_per_token=loss_per_token, start_at_layer=start_at_layer,
@@ -486,10 +485,62 @@ class HookedServedModel(HookedRoot):
             return self._forward_between_layers(input, return_type, start_at_layer, stop_at_layer, tokens,
                                                 prepend_bos=prepend_bos, padding_side=padding_side,
                                                 attention_mask=attention_mask, loss_per_token=loss_per_token,
-                                                apps=apps)
+                                                apps=apps, past_kv_cache=past_kv_cache)
+        if past_kv_cache is not None:
+            return self._continue(past_kv_cache, input, return_type, prepend_bos, padding_side, attention_mask,
+                                  loss_per_token, apps)
         call = self.planner.forward_call(self._rows(input, prepend_bos, padding_side, attention_mask), return_type,
                                          loss_per_token, apps)
         return call.finish(self.planner.run(call.plans))
+
+    def _continue(self, cache, input, return_type, prepend_bos, padding_side, attention_mask, loss_per_token, apps):
+        """A call that continues TransformerLens's KV cache (`past_kv_cache`: a TransformerLensKeyValueCache),
+        with TransformerLens's semantics: the call's tokens attend to the past and to themselves, hooks
+        see only the call's tokens ([batch, pos] of this call), the logits are theirs. Each row's
+        request is its past's real tokens (kept on the cache by the calls that filled it) and then the
+        call's; no op sees the past, which the engine computes again, or takes from its prefix cache
+        where no hook reads. The mask is TransformerLens's: this call's (from the pad tokens, as
+        TransformerLens derives it, when none is given) after the past's, and a masked token is as if
+        removed. Unless the cache is frozen, the call's tokens join the past, and each layer's keys
+        and values (hook_k, hook_v after the hooks there) join the cache's entries, as
+        TransformerLens's attention appends them."""
+        from transformer_lens.utilities.tokenize_utils import get_attention_mask
+
+        new = self._rows(input, prepend_bos, padding_side, attention_mask)
+        if attention_mask is None and isinstance(input, torch.Tensor):  # TransformerLens's mask of the pad tokens
+            prepend = self.cfg.default_prepend_bos if prepend_bos is None else prepend_bos
+            mask = get_attention_mask(self.tokenizer, new.tokens.cpu(), prepend, _padding_side(padding_side))
+            new = Rows.of(new.tokens, mask, self.cfg.d_vocab)
+        B, past = new.tokens.shape[0], getattr(cache, "xmix_past", None)
+        if past is None:
+            if cache.previous_attention_mask.shape[-1]:
+                raise ValueError("this past_kv_cache holds a past that this model did not compute (TransformerLens's "
+                                 "own model filled it): continue it there, or start one with "
+                                 "TransformerLensKeyValueCache.init_cache(model.cfg, model.cfg.device, batch) and run "
+                                 "the prompt through this model first")
+            past = [[] for _ in range(B)]
+        if len(past) != B:
+            raise ValueError(f"past_kv_cache holds {len(past)} rows, this call has {B}: use a cache of the call's "
+                             f"batch size (TransformerLensKeyValueCache.init_cache(model.cfg, device, {B}))")
+        rows = Rows(new.tokens, new.mask, [p + r for p, r in zip(past, new.rows)], new.places, [len(p) for p in past])
+        kv: dict[str, torch.Tensor] = {}
+
+        def keep(act, hook):
+            kv[hook.name] = act.detach()
+
+        layers = range(self.cfg.n_layers)
+        keepers = [] if cache.frozen else [(f"blocks.{L}.attn.hook_{x}", keep) for L in layers for x in "kv"]
+        with self.hooks(fwd_hooks=keepers):
+            call = self.planner.forward_call(rows, return_type, loss_per_token, apps)
+            result = call.finish(self.planner.run(call.plans))
+        cache.append_attention_mask(new.mask.to(cache.previous_attention_mask.device))
+        if not cache.frozen:
+            cache.xmix_past = rows.rows
+            for L, entry in zip(layers, cache.entries):
+                if f"blocks.{L}.attn.hook_k" in kv:  # (layers after a stop_at_layer do not run)
+                    entry.append(kv[f"blocks.{L}.attn.hook_k"].to(entry.past_keys),
+                                 kv[f"blocks.{L}.attn.hook_v"].to(entry.past_values))
+        return result
 
     def _forward_in_tl(self, input, apps, **kwargs):
         """The gradient path (see forward): the hook points' hooks put on model.tl, then its forward."""

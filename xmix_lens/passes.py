@@ -25,10 +25,11 @@ class PhaseOps:
 @dataclass
 class PassPlan:
     rows: list[list[int]]  # each row's real tokens
-    offsets: list[int]  # each row's first real token in the padded layout
+    places: list  # per row, int64 [n]: each real token's position in the padded layout (planner.Rows)
     prompt: PhaseOps
     decode: PhaseOps | None = None  # ops on generated tokens (generate), else None
     max_new_tokens: int = 1  # a forward pass samples one token, which nobody reads
     sampling: dict = field(default_factory=dict)  # vLLM SamplingParams fields
     apps: list[tuple[str, ...]] | None = None  # per row: the installed apps it selects
     call_rows: list[int] | None = None  # each row's index in the call's input (None: the same)
+    contexts: list[int] | None = None  # per row, its first tokens no hook sees (a KV cache's past; None: 0)

@@ -10,6 +10,7 @@ model.py (the TransformerLens API) hands it the call's rows and the hooks on the
      computed from the pass's reads, and a pass runs again where they change one.
 """
 import dataclasses
+import itertools
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -35,13 +36,18 @@ class NonFiniteError(RuntimeError):
 
 
 class Rows(NamedTuple):
-    """A call's tokens [B, P] with TransformerLens's mask, and per row its real tokens and their
-    offset in the padded layout."""
+    """A call's tokens [B, P] with TransformerLens's mask, and per row its real tokens (the engine's
+    request) and where each sits in the padded layout (`places`: int64 [n] of padded positions).
+
+    A mask may have zeros anywhere, as TransformerLens's may: a masked token is left out of the row's
+    request, so the real tokens after it take the positions after the previous real token, and no
+    token attends to it (TransformerLens's semantics: the same as removing it from the input)."""
 
     tokens: torch.Tensor
     mask: torch.Tensor
     rows: list[list[int]]
-    offsets: list[int]
+    places: list[torch.Tensor]
+    contexts: list[int] | None = None  # per row, tokens before the call's, that no hook sees (continued)
 
     @classmethod
     def of(cls, tokens: torch.Tensor, mask: torch.Tensor, d_vocab: int) -> "Rows":
@@ -49,16 +55,18 @@ class Rows(NamedTuple):
             raise ValueError(f"tokens must be [batch, pos] with pos >= 1, got {list(tokens.shape)}")
         if int(tokens.max()) >= d_vocab or int(tokens.min()) < 0:
             raise ValueError(f"token ids must lie in [0, {d_vocab}); got {int(tokens.min())}..{int(tokens.max())}")
-        # whole-batch tensor ops, not a loop of them per row (1,000 rows: 21 ms of host time, docs/benchmarks.md)
         real = mask != 0
-        starts = real & ~torch.nn.functional.pad(real, (1, 0))[:, :-1]  # a real token after padding, or first
-        bad = (starts.sum(1) != 1).nonzero().flatten()
-        if bad.numel():
-            raise ValueError(f"row {int(bad[0])}: the attention mask must mark one contiguous run of real tokens")
-        offsets = starts.int().argmax(1).tolist()
+        empty = (~real.any(1)).nonzero().flatten()
+        if empty.numel():
+            raise ValueError(f"row {int(empty[0])}: the attention mask marks no real token; vLLM runs no request "
+                             f"of no tokens: drop the row, or mark at least one of its tokens 1")
+        # whole-batch tensor ops, not a loop of them per row (1,000 rows: 21 ms of host time, docs/benchmarks.md)
         lengths = real.sum(1).tolist()
-        rows = [row[o: o + n] for row, o, n in zip(tokens.tolist(), offsets, lengths)]
-        return cls(tokens, mask, rows, offsets)
+        places = list(real.nonzero()[:, 1].split(lengths))
+        flat = tokens[real].tolist()
+        starts = [0] + list(itertools.accumulate(lengths))
+        rows = [flat[a:b] for a, b in zip(starts, starts[1:])]
+        return cls(tokens, mask, rows, places)
 
     @classmethod
     def of_lists(cls, lists: list[list[int]], pad_token_id: int, d_vocab: int) -> "Rows":
@@ -108,12 +116,16 @@ class Planner:
         group of rows that select the same apps."""
         if return_type not in ("logits", "loss", "both", None):
             raise ValueError(f"return_type {return_type!r}: use 'logits', 'loss', 'both' or None")
-        tokens, mask, offsets = rows.tokens, rows.mask, rows.offsets
+        tokens, mask, places = rows.tokens, rows.mask, rows.places
         self.check_length(max(len(r) for r in rows.rows))
         selection = self.registry.selection(apps, len(rows.rows))
         self.sync_resident(selection)
         groups = self.groups(selection, len(rows.rows))
         computed = self.computed_hooks()
+        if rows.contexts is not None and (computed or selection):
+            what = f"hooks on {list(computed)}" if computed else "apps"
+            raise NotImplementedError(f"{what} with past_kv_cache: not served (they need the past's own activations, "
+                                      f"which a continued call does not compute again); run the whole sequence")
         source_reads: dict[str, torch.Tensor] = {}
         if computed and len(groups) > 1:
             raise ValueError(f"hooks on {list(computed)} need one pass for the call; these rows select different "
@@ -131,8 +143,7 @@ class Planner:
 
         def finish(outcomes: list) -> object:
             if computed:
-                outcomes = self.fire_computed(computed, source_reads, plans, outcomes, offsets,
-                                              [len(r) for r in rows.rows], tokens.shape[1])
+                outcomes = self.fire_computed(computed, source_reads, plans, outcomes, mask != 0)
             logits = nll = None
             hooked_logits = UNEMBED_OUT in computed  # hooks change the logits, on the host, before any loss
             want_logits = return_type in ("logits", "both") or hooked_logits
@@ -160,7 +171,7 @@ class Planner:
                 return result
             for g, outcome in zip(groups, outcomes):
                 g.outputs.update(resident_reads(self.registry, g, outcome.results.app_results,
-                                                [offsets[i] for i in g.rows], tokens.shape[1], self.cfg.dtype)[0])
+                                                [places[i] for i in g.rows], tokens.shape[1], self.cfg.dtype)[0])
             return AppRun(result, merged(groups, len(rows.rows), "outputs"), {}, selection)
 
         return Call(plans, finish)
@@ -202,7 +213,7 @@ class Planner:
             for row, new in zip(g.rows, outcome.tokens):
                 full[row] = rows.rows[row] + list(new)
             prompt_reads, newest_reads = resident_reads(self.registry, g, outcome.results.app_results,
-                                                        plan.offsets, P, self.cfg.dtype, [len(r) for r in plan.rows])
+                                                        plan.places, P, self.cfg.dtype, generating=True)
             g.outputs.update(prompt_reads)
             g.generated_outputs.update(newest_reads)
         if computed:
@@ -285,8 +296,9 @@ class Planner:
     def plan(self, g: RowGroup, rows: Rows, prompt: PhaseOps, decode: PhaseOps | None = None,
              max_new_tokens: int = 1, sampling: dict | None = None) -> PassPlan:
         resident = tuple(n for n in g.apps if self.registry.installed[n].resident)
-        return PassPlan([rows.rows[i] for i in g.rows], [rows.offsets[i] for i in g.rows], prompt, decode,
-                        max_new_tokens, sampling or {}, [resident] * len(g.rows) if resident else None, g.rows)
+        return PassPlan([rows.rows[i] for i in g.rows], [rows.places[i] for i in g.rows], prompt, decode,
+                        max_new_tokens, sampling or {}, [resident] * len(g.rows) if resident else None, g.rows,
+                        [rows.contexts[i] for i in g.rows] if rows.contexts is not None else None)
 
     # --- running ----------------------------------------------------------------------------------
     def run(self, plans: list[PassPlan], again: bool = False, progress: str | None = None) -> list:
@@ -359,12 +371,12 @@ class Planner:
         return [(name, keep) for name in self.hook_dict if name in names]
 
     def fire_computed(self, computed: dict, reads: dict, plans: list[PassPlan], outcomes: list,
-                      offsets: list[int], lengths: list[int], P: int) -> list:
+                      real: torch.Tensor) -> list:
         """Call the hooks on the computed points of the blocks, in firing order, on the values the pass's
         reads give. After a hook changes one, the pass runs again with what the change implies written
         at engine hook points (computed_points.targets), so that later points see it. Returns the
         outcomes of the last pass."""
-        mask = attention_points.allowed(offsets, lengths, P)
+        mask = attention_points.allowed(real)
         blocks: dict[int, computed_points.Block] = {}
         writes: dict[str, torch.Tensor] = {}
         for name in self.hook_dict:
@@ -412,8 +424,7 @@ class Planner:
         with self.root.silenced(self.hook_dict), self.root.hooks(self.source_reads(computed, reads)):
             call = self.forward_call(generated, "logits" if UNEMBED_OUT in computed else None)
             logits = call.finish(self.run(call.plans))
-        offsets = [P - len(r) for r in prompts]
-        allowed = attention_points.allowed(offsets, [len(r) + steps for r in prompts], P + steps)
+        allowed = attention_points.allowed(generated.mask != 0)
         values, blocks = {}, {}
         for name in computed:
             if name == UNEMBED_OUT:

@@ -155,7 +155,7 @@ class VllmEngine:
                 if unknown:
                     raise KeyError(f"no app named {unknown[0]!r} is installed; installed: {sorted(installed)}")
         pass_ids = self.runtime.begin_passes([
-            ([len(r) for r in plan.rows], plan.offsets, (plan.prompt.padded_len, plan.prompt.ops),
+            (plan.places, plan.contexts or [0] * len(plan.rows), (plan.prompt.padded_len, plan.prompt.ops),
              (plan.decode.padded_len, plan.decode.ops) if plan.decode is not None else None) for plan in plans])
         names = [[f"xmix-{pass_id}-{row}" for row in range(len(plan.rows))] for pass_id, plan in zip(pass_ids, plans)]
         routes, selections, outputs = {}, {}, {}
@@ -297,12 +297,13 @@ def row_salts(plan: PassPlan) -> list[str | None]:
             for op in phase.ops[site]:
                 digest.update(op_digest(op))
     salts = []
-    for tokens, offset in zip(plan.rows, plan.offsets):
+    for places in plan.places:
         row = digest.copy()
+        row.update(places.numpy().tobytes())  # where the row's tokens sit: ops see the padded layout
         for site in sorted(plan.prompt.ops):
             for op in plan.prompt.ops[site]:
                 if op.positions is not None:  # which of this row's real tokens the op writes
-                    row.update(op.positions[offset: offset + len(tokens)].numpy().tobytes())
+                    row.update(op.positions[places].numpy().tobytes())
         salts.append(row.hexdigest())
     return salts
 

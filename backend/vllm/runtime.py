@@ -53,7 +53,8 @@ class Pass:
     prefill: Phase
     decode: Phase | None
     prompt_lens: list[int]  # real prompt tokens per row: later positions are generated tokens
-    pad_offsets: list[int]  # per row: padded position - prompt position
+    place_bases: list[int]  # per row: where its prompt tokens' padded positions start in Runtime.places
+    contexts: list[int]  # per row: its first tokens that no op sees (a TransformerLens KV cache's past)
     rows: dict[str, int] = field(default_factory=dict)  # vLLM request id -> batch row
     reads: dict[object, torch.Tensor] = field(default_factory=dict)  # read key -> [B, P, ...] (reads_on_device)
     read_ops: dict[object, LoweredOp] = field(default_factory=dict)
@@ -149,8 +150,11 @@ class SiteRuntime:
         for name, ops_by_hook_point, params in apps:
             self.install_app(name, ops_by_hook_point, params)
         self.passes: dict[int, Pass] = {}
-        # vLLM request id -> (pass id, row, prompt length, pad offset) of the passes' requests
-        self.routed: dict[str, tuple[int, int, int, int]] = {}
+        # vLLM request id -> (pass id, row, prompt length, place base, context) of the passes' requests
+        self.routed: dict[str, tuple[int, int, int, int, int]] = {}
+        # the open passes' prompt tokens' padded positions, row after row (Pass.place_bases); entry 0
+        # serves tokens of no pass and generated tokens
+        self.places = torch.zeros(1, dtype=torch.long)
         self.step: StepTokens | None = None
         self._next_pass_id = 0
         self._pending: list[PendingRead] = []
@@ -297,7 +301,7 @@ class SiteRuntime:
         return {name: app.info() for name, app in self.control.apps.items()}
 
     def begin_passes(self, specs: list[tuple]) -> list[int]:
-        """Open one pass per spec (prompt lengths, pad offsets, prefill, decode): their ids."""
+        """Open one pass per spec (per row its padded positions and context, prefill, decode): their ids."""
         opened = []
         try:
             for spec in specs:
@@ -314,7 +318,7 @@ class SiteRuntime:
         for req_id, (pass_id, row) in rows.items():
             p = self.passes[pass_id]
             p.rows[req_id] = row
-            self.routed[req_id] = (p.pass_id, row, p.prompt_lens[row], p.pad_offsets[row])
+            self.routed[req_id] = (p.pass_id, row, p.prompt_lens[row], p.place_bases[row], p.contexts[row])
         for req_id, names in selections.items():
             routed = self.routed.get(req_id)
             self.control.select(req_id, names, prompt_len=routed[2] if routed else None)
@@ -335,6 +339,8 @@ class SiteRuntime:
                                         self.control.take_results(in_order), nonfinite))
         for req_id in req_ids:
             self.control.forget(req_id)
+        if not self.passes:
+            self.places = self.places[:1]  # every pass closed: the table starts again
         if any(results.nonfinite for results in finished):
             # the pass's KV blocks hold them; freed, they would reach the requests that reuse the
             # blocks (a stale slot times a zero attention weight is NaN): every request finished
@@ -361,16 +367,21 @@ class SiteRuntime:
         return replace(placed, op=to_device(placed.op, self.device, moved))
 
     # --- passes (between steps) ----------------------------------------------------------------
-    def open_pass(self, prompt_lens: list[int], pad_offsets: list[int], prefill: tuple[int, dict],
+    def open_pass(self, places: list[torch.Tensor], contexts: list[int], prefill: tuple[int, dict],
                   decode: tuple[int, dict] | None = None) -> Pass:
-        """A pass over len(prompt_lens) requests: (padded length, ops per hook point) per phase."""
+        """A pass over len(places) requests: each row's first `contexts` tokens seen by no op, then its
+        prompt tokens at those padded positions (int64 [n]: planner.Rows); (padded length, ops per
+        hook point) per phase."""
         phases = [prefill] + ([decode] if decode is not None else [])
         unarmed = sorted({name for _, ops in phases for name in ops} - self.armed)
         if unarmed:
             raise RuntimeError(f"hook points not armed in this engine: {unarmed}")
         by_site = [Phase(P, self._place_all(ops)) for P, ops in phases]
-        p = Pass(self._next_pass_id, len(prompt_lens), by_site[0], by_site[1] if decode else None,
-                 list(prompt_lens), list(pad_offsets))
+        lengths = [len(row) for row in places]
+        bases = (len(self.places) + np.cumsum([0] + lengths[:-1])).tolist()
+        p = Pass(self._next_pass_id, len(places), by_site[0], by_site[1] if decode else None,
+                 [c + n for c, n in zip(contexts, lengths)], bases, list(contexts))
+        self.places = torch.cat([self.places, *(torch.as_tensor(row, dtype=torch.long) for row in places)])
         self._next_pass_id += 1
         for _, phase in p.phases():
             for site, site_ops in phase.ops.items():
@@ -433,17 +444,19 @@ class SiteRuntime:
             self.control.prepare_step(req_ids, query_start, positions.shape[0], first_positions)
         if not host_passes:
             return
-        # each request's (pass id, row, prompt length, pad offset), repeated over its tokens
-        nobody = (-1, 0, 0, 0)
+        # each request's (pass id, row, prompt length, place base, context), repeated over its tokens
+        nobody = (-1, 0, 0, 0, 0)
         per_request = np.array([self.routed.get(req_id, nobody) for req_id in req_ids], dtype=np.int64)
         per_token = np.repeat(per_request, np.diff(np.asarray(query_start)), axis=0)
         n_tokens = positions.shape[0]
         if len(per_token) < n_tokens:  # a padded batch's trailing tokens belong to no request
             per_token = np.concatenate([per_token, np.tile(np.array(nobody), (n_tokens - len(per_token), 1))])
-        pass_id, row, prompt_len, pad = torch.from_numpy(np.ascontiguousarray(per_token.T))
+        pass_id, row, prompt_len, base, context = torch.from_numpy(np.ascontiguousarray(per_token.T))
         positions = positions.to("cpu", torch.long)
-        decode = positions >= prompt_len
-        self.set_step(StepTokens(pass_id, row, decode, torch.where(decode, 0, positions + pad)))
+        decode, in_context = positions >= prompt_len, positions < context
+        pass_id = torch.where(in_context, -1, pass_id)  # the cache's past: no op sees it
+        padded = self.places[torch.where(decode | in_context, 0, base + positions - context)]
+        self.set_step(StepTokens(pass_id, row, decode, padded))
 
     def set_step(self, step: StepTokens) -> None:
         """The coming step's tokens (begin_step makes them from vLLM's batch): the last step's reads

@@ -640,7 +640,8 @@ class HookedServedModel(HookedRoot):
                  do_sample: bool = True, top_k: int | None = None, top_p: float | None = None,
                  temperature: float = 1.0, prepend_bos: bool | None = None, padding_side: str | None = None,
                  return_type: str = "input", seed: int | None = None, fwd_hooks: Iterable[HookSpec] = (),
-                 verbose: bool = False, apps=None, use_past_kv_cache: bool = True, output_logits: bool = False):
+                 verbose: bool = False, apps=None, use_past_kv_cache: bool = True, output_logits: bool = False,
+                 attention_mask=None):
         """Sample continuations with the hooks on the prompt and on every generated token.
 
         As TransformerLens's generate with its KV cache: each hook is traced for the prompt
@@ -653,7 +654,11 @@ class HookedServedModel(HookedRoot):
         tokens (padded with the pad token). Input embeddings ([batch, pos, d_model], floating point)
         are the prompt, written at hook_embed: only the new tokens are returned, as TransformerLens
         returns them. `output_logits`: TransformerLens's GenerateDecoderOnlyOutput, `sequences` (the
-        tokens) and `logits`, one [batch, d_vocab] per new token (Planner.step_logits). With `apps`
+        tokens) and `logits`, one [batch, d_vocab] per new token (Planner.step_logits). Token input
+        may come with TransformerLens's `attention_mask` (0 at padding, anywhere in a row), or with
+        `padding_side`, which then marks the leading (left) or trailing (right) pad tokens as padding, as
+        TransformerLens's generate does; masked tokens are left out of the request, and the tokens
+        returned are the prompt as given followed by the new tokens. With `apps`
         (or active apps), an AppRun whose `result` is that. `verbose`: a progress bar of
         the rows as they finish (all rows generate together, in vLLM's batches)."""
         if return_type not in ("input", "str", "tokens"):
@@ -661,8 +666,16 @@ class HookedServedModel(HookedRoot):
         if max_new_tokens < 1:
             raise ValueError("max_new_tokens must be at least 1")
         embeds = self._prompt_embeddings(input)
+        token_input = embeds is None and isinstance(input, torch.Tensor)
+        if token_input and attention_mask is None and padding_side is not None:  # TransformerLens's pad-token scan
+            from transformer_lens.utilities.tokenize_utils import get_attention_mask
+
+            prepend = self.cfg.default_prepend_bos if prepend_bos is None else prepend_bos
+            given = token_ids(input).cpu()
+            attention_mask = get_attention_mask(self.tokenizer, given[None] if given.dim() == 1 else given,
+                                                prepend, _padding_side(padding_side))
         if embeds is None:
-            rows, writes = self._rows(input, prepend_bos, padding_side, None), None
+            rows, writes = self._rows(input, prepend_bos, padding_side, attention_mask), None
         else:  # placeholder tokens, whose embeddings the write replaces
             placeholder = [[self.tokenizer.pad_token_id] * embeds.shape[1]] * embeds.shape[0]
             rows, writes = Rows.of_lists(placeholder, self.tokenizer.pad_token_id, self.cfg.d_vocab), {"hook_embed": embeds}
@@ -672,6 +685,8 @@ class HookedServedModel(HookedRoot):
                                                            "generate" if verbose else None, writes, output_logits)
         if embeds is not None:
             full = [row[embeds.shape[1]:] for row in full]
+        elif token_input:  # the prompt as given, masked tokens included
+            full = [given + row[len(real):] for given, real, row in zip(rows.tokens.tolist(), rows.rows, full)]
         result = self._format_generated(input, full, "tokens" if output_logits else return_type)
         if output_logits:
             from transformers.generation.utils import GenerateDecoderOnlyOutput

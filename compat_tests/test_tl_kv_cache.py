@@ -11,10 +11,9 @@ Changes from the original:
   tokenizer's padding side set to "left" for the case and put back afterwards.
 * The cache class is TransformerLens 4.3's `TransformerLensKeyValueCache` (TL's file imports it under its
   3.x name `HookedTransformerKeyValueCache`).
-* test_kv_cache_and_start_at_layer stops at layer 1 and starts at layer 1 (TL: 4 and 3; the tiny models
-  have two layers), caches only the residual (`names_filter`), and is marked xfail: it feeds
-  `input_to_embed(..., past_kv_cache=...)`'s outputs to a `start_at_layer` forward, which xmix-lens does
-  not serve (see the mark's reason).
+* test_kv_cache_and_start_at_layer stops at layer 2 and starts at layer 1 (TL: 4 and 3; the tiny models
+  have two layers) and caches only the residual (`names_filter`): a continued call refuses hooks on
+  attention patterns, which run_with_cache's default caches (see the added case).
 * Added, not in TL's file: a hook on a continued call sees only the call's tokens, and its write
   changes the continuation's logits as the same write on the whole sequence does; attention-pattern
   hooks on a continued call are refused with the reason.
@@ -160,10 +159,6 @@ def test_kv_cache_with_custom_attention_mask(pretrained):
     assert t.allclose(correct_logits[:, -1], exp_logits[:, -1], atol=atol)
 
 
-@pytest.mark.xfail(strict=True, raises=(NotImplementedError, TypeError),
-                   reason="input_to_embed(past_kv_cache=...) and a start_at_layer forward that continues a cache are "
-                          "not served: the continued residual would have to be written into the pass beside a past "
-                          "no hook sees")
 def test_kv_cache_and_start_at_layer(pretrained):
     model, atol = pretrained
     pre_prompt_tokens = model.to_tokens("I went to Staten Island,")
@@ -174,7 +169,7 @@ def test_kv_cache_and_start_at_layer(pretrained):
     model(pre_prompt_tokens, past_kv_cache=past_kv_cache)
     past_kv_cache.freeze()
     _, toks, shortformer_pos_embed, attn_mask = model.input_to_embed(single_new_token, past_kv_cache=past_kv_cache)
-    _, cache = model.run_with_cache(single_new_token, stop_at_layer=1, past_kv_cache=past_kv_cache,
+    _, cache = model.run_with_cache(single_new_token, stop_at_layer=2, past_kv_cache=past_kv_cache,
                                     names_filter="blocks.1.hook_resid_pre")
     with_cache_logits = model(cache["blocks.1.hook_resid_pre"], start_at_layer=1, tokens=toks,
                               shortformer_pos_embed=shortformer_pos_embed, attention_mask=attn_mask,

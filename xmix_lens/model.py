@@ -359,10 +359,24 @@ class HookedServedModel(HookedRoot):
         return TransformerBridge.get_token_position(self, single_token, input, mode, prepend_bos, padding_side)
 
     def input_to_embed(self, input, prepend_bos: bool | None = None, padding_side: str | None = None,
-                       attention_mask=None):
+                       attention_mask=None, past_kv_cache=None):
         """TransformerLens's: (residual entering block 0, tokens, None, attention_mask); feed the
         residual to `model(residual, start_at_layer=0)`. The mask is returned for left padding
-        (where TransformerLens computes one), else the one given."""
+        (where TransformerLens computes one), else the one given. With `past_kv_cache`, as
+        TransformerLens: the residual of the call's tokens after the cache's past, and the past's mask
+        followed by the call's (appended to the cache's unless it is frozen; its past and entries stay)."""
+        if past_kv_cache is not None:
+            new = self._continued_call_rows(input, prepend_bos, padding_side, attention_mask)
+            frozen = past_kv_cache.frozen
+            past_kv_cache.freeze()  # the residual is computed after the past, which it does not join
+            try:
+                residual = self.forward(new.tokens, attention_mask=new.mask, stop_at_layer=0,
+                                        past_kv_cache=past_kv_cache)
+            finally:
+                if not frozen:
+                    past_kv_cache.unfreeze()
+            mask = past_kv_cache.append_attention_mask(new.mask.to(past_kv_cache.previous_attention_mask.device))
+            return residual, new.tokens, None, mask
         tokens, mask, _, _ = self._rows(input, prepend_bos, padding_side, attention_mask)
         if attention_mask is None and (padding_side or self.tokenizer.padding_side) == "left":
             attention_mask = mask
@@ -493,6 +507,18 @@ class HookedServedModel(HookedRoot):
                                          loss_per_token, apps)
         return call.finish(self.planner.run(call.plans))
 
+    def _continued_call_rows(self, input, prepend_bos, padding_side, attention_mask) -> Rows:
+        """The rows of a call that continues a KV cache: token input without a mask gets TransformerLens's
+        mask of its pad tokens (TransformerLens derives one whenever a cache is passed)."""
+        from transformer_lens.utilities.tokenize_utils import get_attention_mask
+
+        new = self._rows(input, prepend_bos, padding_side, attention_mask)
+        if attention_mask is None and isinstance(input, torch.Tensor):
+            prepend = self.cfg.default_prepend_bos if prepend_bos is None else prepend_bos
+            mask = get_attention_mask(self.tokenizer, new.tokens.cpu(), prepend, _padding_side(padding_side))
+            new = Rows.of(new.tokens, mask, self.cfg.d_vocab)
+        return new
+
     def _continue(self, cache, input, return_type, prepend_bos, padding_side, attention_mask, loss_per_token, apps):
         """A call that continues TransformerLens's KV cache (`past_kv_cache`: a TransformerLensKeyValueCache),
         with TransformerLens's semantics: the call's tokens attend to the past and to themselves, hooks
@@ -504,13 +530,11 @@ class HookedServedModel(HookedRoot):
         removed. Unless the cache is frozen, the call's tokens join the past, and each layer's keys
         and values (hook_k, hook_v after the hooks there) join the cache's entries, as
         TransformerLens's attention appends them."""
-        from transformer_lens.utilities.tokenize_utils import get_attention_mask
-
-        new = self._rows(input, prepend_bos, padding_side, attention_mask)
-        if attention_mask is None and isinstance(input, torch.Tensor):  # TransformerLens's mask of the pad tokens
-            prepend = self.cfg.default_prepend_bos if prepend_bos is None else prepend_bos
-            mask = get_attention_mask(self.tokenizer, new.tokens.cpu(), prepend, _padding_side(padding_side))
-            new = Rows.of(new.tokens, mask, self.cfg.d_vocab)
+        past_width = cache.previous_attention_mask.shape[-1]
+        if (attention_mask is not None and isinstance(input, torch.Tensor) and past_width
+                and torch.as_tensor(attention_mask).shape[-1] == past_width + input.shape[-1]):
+            attention_mask = torch.as_tensor(attention_mask)[..., past_width:]  # the whole mask, as input_to_embed gives it
+        new = self._continued_call_rows(input, prepend_bos, padding_side, attention_mask)
         B, past = new.tokens.shape[0], getattr(cache, "xmix_past", None)
         if past is None:
             if cache.previous_attention_mask.shape[-1]:

@@ -15,8 +15,8 @@ Changes from the original:
   have two layers) and caches only the residual (`names_filter`): a continued call refuses hooks on
   attention patterns, which run_with_cache's default caches (see the added case).
 * Added, not in TL's file: a hook on a continued call sees only the call's tokens, and its write
-  changes the continuation's logits as the same write on the whole sequence does; attention-pattern
-  hooks on a continued call are refused with the reason.
+  changes the continuation's logits as the same write on the whole sequence does; continuing a past
+  that hooks wrote into, and attention-pattern hooks on a continued call, are refused with the reason.
 """
 import pytest
 import torch as t
@@ -202,6 +202,14 @@ def test_hooks_see_only_the_continued_tokens(pretrained):
     assert seen == [(1, post.shape[-1], model.cfg.d_model)]
     assert t.allclose(continued, whole[:, pre.shape[-1]:], atol=atol)
     assert not t.allclose(continued, model(full)[:, pre.shape[-1]:], atol=1e-3)
+    # a past computed under a write would be computed again without it: refused, as TL keeps what it made
+    written = r"past was computed under hooks that write at \['blocks.0.hook_resid_post'\]"
+    with pytest.raises(NotImplementedError, match=written):
+        model(post, past_kv_cache=past_kv_cache)
+    frozen = _cache(model, 1)
+    model(pre, past_kv_cache=frozen)
+    frozen.freeze()
+    model.run_with_hooks(post, past_kv_cache=frozen, fwd_hooks=[("blocks.0.hook_resid_post", steer_second)])
+    assert t.allclose(model(post, past_kv_cache=frozen), model(full)[:, pre.shape[-1]:], atol=atol)
     with pytest.raises(NotImplementedError, match="with past_kv_cache: not served"):
-        model.run_with_hooks(post, past_kv_cache=past_kv_cache, fwd_hooks=[("blocks.0.attn.hook_pattern",
-                                                                             lambda a, hook: a)])
+        model.run_with_hooks(post, past_kv_cache=frozen, fwd_hooks=[("blocks.0.attn.hook_pattern", lambda a, hook: a)])

@@ -536,6 +536,12 @@ class HookedServedModel(HookedRoot):
             attention_mask = torch.as_tensor(attention_mask)[..., past_width:]  # the whole mask, as input_to_embed gives it
         new = self._continued_call_rows(input, prepend_bos, padding_side, attention_mask)
         B, past = new.tokens.shape[0], getattr(cache, "xmix_past", None)
+        if getattr(cache, "xmix_past_written", None):
+            raise NotImplementedError(f"this past_kv_cache's past was computed under hooks that write at "
+                                      f"{cache.xmix_past_written}: a continued call computes the past again without "
+                                      f"them (TransformerLens keeps the keys and values they made), so it is not "
+                                      f"served; run the whole sequence with those hooks, or freeze() the cache before "
+                                      f"calls whose hooks write")
         if past is None:
             if cache.previous_attention_mask.shape[-1]:
                 raise ValueError("this past_kv_cache holds a past that this model did not compute (TransformerLens's "
@@ -560,6 +566,8 @@ class HookedServedModel(HookedRoot):
         cache.append_attention_mask(new.mask.to(cache.previous_attention_mask.device))
         if not cache.frozen:
             cache.xmix_past = rows.rows
+            cache.xmix_past_written = sorted({name for plan in call.plans for name, ops in plan.prompt.ops.items()
+                                              if any(op.writes for op in ops)})
             for L, entry in zip(layers, cache.entries):
                 if f"blocks.{L}.attn.hook_k" in kv:  # (layers after a stop_at_layer do not run)
                     entry.append(kv[f"blocks.{L}.attn.hook_k"].to(entry.past_keys),

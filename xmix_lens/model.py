@@ -377,7 +377,7 @@ class HookedServedModel(HookedRoot):
                     past_kv_cache.unfreeze()
             mask = past_kv_cache.append_attention_mask(new.mask.to(past_kv_cache.previous_attention_mask.device))
             return residual, new.tokens, None, mask
-        tokens, mask, _, _ = self._rows(input, prepend_bos, padding_side, attention_mask)
+        tokens, mask = self._rows(input, prepend_bos, padding_side, attention_mask)[:2]
         if attention_mask is None and (padding_side or self.tokenizer.padding_side) == "left":
             attention_mask = mask
         residual = self.forward(tokens, attention_mask=attention_mask, stop_at_layer=0)
@@ -755,7 +755,7 @@ class HookedServedModel(HookedRoot):
         """What the hooks (given, or those added to hook points) become: their IR and lowered ops.
 
         Tracing needs the pass's shape, so it is traced for `input` (nothing runs in the engine)."""
-        tokens, _, _, _ = self._rows(input, None, None, None)
+        tokens = self._rows(input, None, None, None).tokens
         with self.hooks(fwd_hooks or []):
             traced = self.planner.trace_hooks(*tokens.shape)
         lines = []

@@ -458,3 +458,43 @@ def test_gated_write_across_layers_dict(model, served, reference, tolerance):
     xl, tl = served[model], reference[model]
     w, t, v = gate_vectors(xl, tl, "blocks.0.hook_resid_post", "right")
     check_write(xl, tl, cross_layer_dict_hooks(w, t, v), tolerance(model)[1])
+
+
+# --- residual writes' numerics -----------------------------------------------------------------
+def _gap(a, b):
+    return float((a.float() - b.float()).abs().max())
+
+
+def test_clamped_residual_differs_as_transformer_lens_itself_would(served, reference):
+    """An in-place clamp at SmolLM2's blocks.9.hook_resid_mid (fp32) moves the logits from TL's by about
+    ten times the unhooked difference. That is TL's own sensitivity, not the write: TL's logits move
+    as much when its own resid_mid is first moved by the unhooked difference of xmix-lens's from TL's
+    there (fp32 sums in another order) and then clamped. The clamp shrinks the outlier dimensions, so
+    the norm after it divides that absolute error by a far smaller RMS. Asserted: xmix-lens's
+    difference is at most twice TL's own movement under that input difference."""
+    xl, tl = served["smollm2"], reference["smollm2"]
+    name = "blocks.9.hook_resid_mid"
+    tokens = xl.to_tokens(PROMPTS[:1])
+    _, ours = xl.run_with_cache(tokens, names_filter=[name])
+    kept = {}
+
+    def keep(act, hook):
+        kept["act"] = act.detach().clone()
+
+    tl.run_with_hooks(tokens, fwd_hooks=[(name, keep)])
+    delta = ours[name] - kept["act"]  # the unhooked difference at the point
+
+    def clamp(act, hook):
+        act.clamp_(-2, 2)
+        return act
+
+    def moved_then_clamped(act, hook):
+        act.add_(delta).clamp_(-2, 2)
+        return act
+
+    tl_clamped = tl.run_with_hooks(tokens, fwd_hooks=[(name, clamp)])
+    ours_vs_tl = _gap(xl.run_with_hooks(tokens, fwd_hooks=[(name, clamp)]), tl_clamped)
+    tl_own = _gap(tl.run_with_hooks(tokens, fwd_hooks=[(name, moved_then_clamped)]), tl_clamped)
+    unhooked = _gap(xl(tokens), tl.run_with_hooks(tokens))
+    assert ours_vs_tl > 3 * unhooked  # the amplification this test explains is there
+    assert ours_vs_tl <= 2 * tl_own

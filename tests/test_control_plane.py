@@ -217,7 +217,7 @@ def test_messenger_under_chunked_prefill_and_preemption(served, small_steps):
     prompts = [" ".join(["The cat sat on the mat"] * 6), " ".join(["One two three four"] * 7),
                " ".join(["The cat sat on the mat"] * 6) + " yes", "Short"]
     rows = [model.to_tokens(p)[0].tolist() for p in prompts]
-    plan = PassPlan(rows, [0] * len(rows), model.planner.trace_hooks(len(rows), max(map(len, rows))), None, 120,
+    plan = PassPlan(rows, [torch.arange(len(r)) for r in rows], model.planner.trace_hooks(len(rows), max(map(len, rows))), None, 120,
                     {"temperature": 0.0, "ignore_eos": True}, [("probe",)] * len(rows))
     tokens_run = []  # a step's tokens: positions computed, recomputed ones included
     prepare = model.engine.runtime.control.prepare_step
@@ -312,7 +312,7 @@ def test_reads_leave_no_python_objects_behind_as_steps_run(installed):
     model, apps, _ = installed
     control = model.engine.runtime.control
     rows = [model.to_tokens(p)[0].tolist() for p in PROMPTS * 2]
-    plan = PassPlan(rows, [0] * len(rows), model.planner.trace_hooks(len(rows), max(map(len, rows))), None, 64,
+    plan = PassPlan(rows, [torch.arange(len(r)) for r in rows], model.planner.trace_hooks(len(rows), max(map(len, rows))), None, 64,
                     {"temperature": 0.0, "ignore_eos": True}, [("cp-probe",)] * len(rows))
     tracked = []
     prepare = control.prepare_step

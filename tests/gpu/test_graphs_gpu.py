@@ -104,7 +104,7 @@ def engine():
 def generate(model, row_apps):
     rows = [model.to_tokens(p)[0].tolist() for p in PROMPTS]
     trace = model.planner.trace_hooks(len(rows), max(map(len, rows)))
-    plan = PassPlan(rows, [0] * len(rows), trace, None, NEW, {"temperature": 0.0, "ignore_eos": True},
+    plan = PassPlan(rows, [torch.arange(len(r)) for r in rows], trace, None, NEW, {"temperature": 0.0, "ignore_eos": True},
                     [tuple(apps) for apps in row_apps])
     (outcome,) = model.planner.run([plan])
     return [list(g) for g in outcome.tokens], outcome.results.app_results

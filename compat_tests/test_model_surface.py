@@ -384,16 +384,3 @@ def test_run_with_cache_pos_slice_as_transformer_lens(pair, pos_slice):
         for name in names:
             assert close(ours[name].cpu(), theirs[name]), name
         assert logits.shape[1] == tokens.shape[1]  # the result keeps every position
-
-
-def test_past_kv_cache_refused_with_the_way_round(pair):
-    """TransformerLens's KV cache is not served yet: a clear error, not TL 4.3's bridge's silent run
-    without the past; the engine stays usable."""
-    from transformer_lens.cache.key_value_cache import TransformerLensKeyValueCache
-
-    xl, _ = pair
-    cache = TransformerLensKeyValueCache.init_cache(xl.cfg, xl.cfg.device, 1)
-    for call in (xl, xl.run_with_cache, lambda t, **kw: xl.run_with_hooks(t, fwd_hooks=[], **kw)):
-        with pytest.raises(NotImplementedError, match="past_kv_cache.*prefix cache"):
-            call(PROMPT, past_kv_cache=cache)
-    assert xl(PROMPT).shape[-1] == xl.cfg.d_vocab

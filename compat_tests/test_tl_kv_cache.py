@@ -38,12 +38,17 @@ def _cache(model, batch):
     return HookedTransformerKeyValueCache.init_cache(model.cfg, model.cfg.device, batch)
 
 
-def test_single_new_token(pretrained):
-    model, atol = pretrained
+def _staten_island(model):
+    """TL's prompt, its one new token, both together, and the logits of both run without a cache."""
     pre_prompt_tokens = model.to_tokens("I went to Staten Island,")
     single_new_token = model.to_tokens(" Sharon", prepend_bos=False)
     full_prompt_tokens = t.cat([pre_prompt_tokens, single_new_token], dim=-1)
-    no_cache_logits = model(full_prompt_tokens)
+    return pre_prompt_tokens, single_new_token, full_prompt_tokens, model(full_prompt_tokens)
+
+
+def test_single_new_token(pretrained):
+    model, atol = pretrained
+    pre_prompt_tokens, single_new_token, full_prompt_tokens, no_cache_logits = _staten_island(model)
     assert full_prompt_tokens.shape[-1] == pre_prompt_tokens.shape[-1] + 1
     past_kv_cache = _cache(model, pre_prompt_tokens.shape[0])
     model(pre_prompt_tokens, past_kv_cache=past_kv_cache)
@@ -161,10 +166,7 @@ def test_kv_cache_with_custom_attention_mask(pretrained):
 
 def test_kv_cache_and_start_at_layer(pretrained):
     model, atol = pretrained
-    pre_prompt_tokens = model.to_tokens("I went to Staten Island,")
-    single_new_token = model.to_tokens(" Sharon", prepend_bos=False)
-    full_prompt_tokens = t.cat([pre_prompt_tokens, single_new_token], dim=-1)
-    no_cache_logits = model(full_prompt_tokens)
+    pre_prompt_tokens, single_new_token, full_prompt_tokens, no_cache_logits = _staten_island(model)
     past_kv_cache = _cache(model, pre_prompt_tokens.shape[0])
     model(pre_prompt_tokens, past_kv_cache=past_kv_cache)
     past_kv_cache.freeze()

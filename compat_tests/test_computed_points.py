@@ -143,12 +143,11 @@ def test_patterns_in_generate_as_hooked_transformer(served, reference, tolerance
     tokens = xl.generate(prompts, max_new_tokens=n_new, do_sample=False, padding_side="left", return_type="tokens")
     P = xl.to_tokens(prompts, padding_side="left").shape[1]
     assert [p.shape[-2:] for p in seen] == [(P, P)] + [(1, P + j + 1) for j in range(n_new - 1)]
-    # the sequences the steps computed, left-padded as TransformerLens's generate pads them
-    sequence = torch.full((len(prompts), P + n_new - 1), xl.tokenizer.pad_token_id)
-    mask = torch.zeros_like(sequence)
+    # the sequences the steps computed: generate returns them left-padded, as TransformerLens's does
+    sequence = tokens[:, : P + n_new - 1].cpu()
+    mask = torch.ones_like(sequence)
     for b, prompt in enumerate(prompts):
-        n = len(xl.to_tokens(prompt)[0]) + n_new - 1  # generate returns each row's prompt then its new tokens
-        sequence[b, -n:], mask[b, -n:] = tokens[b, :n], 1
+        mask[b, : P - len(xl.to_tokens(prompt)[0])] = 0
     _, theirs = tl.run_with_cache(sequence, names_filter=[name], attention_mask=mask)
     full = theirs[name]
     real = mask.bool()

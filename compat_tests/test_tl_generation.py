@@ -69,6 +69,20 @@ def test_ht_generate_batch_without_kv_cache(pair):
     assert batched == tl_generate(tl, BATCH_PROMPTS, do_sample=False)
 
 
+def test_batched_text_comes_back_as_tokens_left_padded(pair):
+    """Beyond TL's file: return_type="tokens" on a batch of strings gives TL's layout, the prompts
+    left-padded, a row that stopped at EOS filled with EOS (one stop id, or several)."""
+    xl, tl = pair
+    free = xl.generate(BATCH_PROMPTS, max_new_tokens=6, return_type="tokens", stop_at_eos=False, **ARGMAX)
+    assert torch.equal(free.cpu(), tl_generate(tl, BATCH_PROMPTS, max_new_tokens=6, return_type="tokens",
+                                               stop_at_eos=False, **ARGMAX))
+    early = int(free[0, -4])  # row 0's third new token, made its stop token
+    for stop in (early, [early, xl.tokenizer.eos_token_id]):
+        ours = xl.generate(BATCH_PROMPTS, max_new_tokens=6, return_type="tokens", eos_token_id=stop, **ARGMAX)
+        theirs = tl_generate(tl, BATCH_PROMPTS, max_new_tokens=6, return_type="tokens", eos_token_id=stop, **ARGMAX)
+        assert ours.tolist() == theirs.tolist()
+
+
 # ---- tests/acceptance/test_hooked_transformer.py ----
 @pytest.mark.parametrize("model_name", MODELS)
 def test_bloom_similarity_with_hf_model_with_kv_cache_activated(served, model_name):

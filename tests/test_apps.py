@@ -177,7 +177,7 @@ def teacher_forced_matches(tl, xl, prompt, sequence, twin) -> bool:
     """Whether TL, running `twin(prompt_mask)`'s hooks over the generated sequence, chooses every
     generated token greedily: the condition is the prompt's, the write on every position."""
     prompt_len = len(xl.to_tokens(prompt)[0])
-    sequence = sequence[: prompt_len + NEW][None]
+    sequence = sequence[-(prompt_len + NEW):][None]  # a batch comes back left-padded, as from TransformerLens
     hooks, _ = twin((torch.arange(sequence.shape[1]) < prompt_len)[None].float())
     logits = tl.run_with_hooks(sequence, fwd_hooks=hooks)
     return torch.equal(logits[0, prompt_len - 1: -1].argmax(-1), sequence[0, prompt_len:])

@@ -668,7 +668,7 @@ class HookedServedModel(HookedRoot):
                                          loss_per_token, apps)
 
     @one_call_at_a_time
-    def generate(self, input, max_new_tokens: int = 10, stop_at_eos: bool = True, eos_token_id: int | None = None,
+    def generate(self, input, max_new_tokens: int = 10, stop_at_eos: bool = True, eos_token_id: int | list[int] | None = None,
                  do_sample: bool = True, top_k: int | None = None, top_p: float | None = None,
                  temperature: float = 1.0, prepend_bos: bool | None = None, padding_side: str | None = None,
                  return_type: str = "input", seed: int | None = None, fwd_hooks: Iterable[HookSpec] = (),
@@ -682,8 +682,9 @@ class HookedServedModel(HookedRoot):
         its KV cache, so hooks run as above either way. TransformerLens without its cache reruns the
         whole sequence at each step; for hooks that do not depend on positions that gives the same tokens.
         Returns strings for string input (return_type "input" or "str"; one string where there is one
-        row), else tokens [batch, pos + new] with each row's prompt as given followed by its generated
-        tokens (padded with the pad token). Input embeddings ([batch, pos, d_model], floating point)
+        row), else tokens [batch, pos + new]: each row's prompt as given (a batch of strings
+        left-padded, as TransformerLens tokenizes it for generation) followed by its generated tokens,
+        rows that stopped at EOS filled with EOS. Input embeddings ([batch, pos, d_model], floating point)
         are the prompt, written at hook_embed: only the new tokens are returned, as TransformerLens
         returns them. `output_logits`: TransformerLens's GenerateDecoderOnlyOutput, `sequences` (the
         tokens) and `logits`, one [batch, d_vocab] per new token (Planner.step_logits). Token input
@@ -719,7 +720,11 @@ class HookedServedModel(HookedRoot):
             full = [row[embeds.shape[1]:] for row in full]
         elif token_input:  # the prompt as given, masked tokens included
             full = [given + row[len(real):] for given, real, row in zip(rows.tokens.tolist(), rows.rows, full)]
-        result = self._format_generated(input, full, "tokens" if output_logits else return_type)
+        elif len(full) > 1:  # TransformerLens tokenizes a batch of strings left-padded for generation
+            width = max(len(real) for real in rows.rows)
+            full = [[self.tokenizer.pad_token_id] * (width - len(real)) + row for real, row in zip(rows.rows, full)]
+        finished_fill = self._finished_fill(stop_at_eos, eos_token_id)
+        result = self._format_generated(input, full, "tokens" if output_logits else return_type, finished_fill)
         if output_logits:
             from transformers.generation.utils import GenerateDecoderOnlyOutput
 
@@ -737,15 +742,25 @@ class HookedServedModel(HookedRoot):
                              f"{list(input.shape)}")
         return embeds.to(self.engine.device, self.cfg.dtype)
 
-    def _format_generated(self, input, full: list[list[int]], return_type: str):
-        """Text for text input (or return_type "str"), else padded token rows. Text is decoded
-        without special tokens (BOS, EOS, padding), as TransformerLens's generate decodes it: one
-        string where there is one row (TransformerLens's rule), else a list."""
+    def _finished_fill(self, stop_at_eos: bool, eos_token_id: int | list[int] | None) -> int:
+        """The token TransformerLens's generate fills a finished row with: the stop token when there is
+        one, the tokenizer's EOS when there are several (their first without one), else the pad token."""
+        if not stop_at_eos:
+            return self.tokenizer.pad_token_id
+        if eos_token_id is None or isinstance(eos_token_id, int):
+            return self.tokenizer.eos_token_id if eos_token_id is None else eos_token_id
+        return eos_token_id[0] if self.tokenizer.eos_token_id is None else self.tokenizer.eos_token_id
+
+    def _format_generated(self, input, full: list[list[int]], return_type: str, finished_fill: int):
+        """Text for text input (or return_type "str"), else token rows, those that stopped early
+        filled with `finished_fill` (TransformerLens's: the EOS token when it stops at EOS). Text is
+        decoded without special tokens (BOS, EOS, padding), as TransformerLens's generate decodes it:
+        one string where there is one row (TransformerLens's rule), else a list."""
         text_in = isinstance(input, (str, list, tuple)) and (isinstance(input, str) or isinstance(input[0], str))
         if return_type == "str" or (return_type == "input" and text_in):
             texts = [self.tokenizer.decode(t, skip_special_tokens=True) for t in full]
             return texts[0] if len(texts) == 1 else texts
-        out = torch.full((len(full), max(len(t) for t in full)), self.tokenizer.pad_token_id, dtype=torch.long)
+        out = torch.full((len(full), max(len(t) for t in full)), finished_fill, dtype=torch.long)
         for i, t in enumerate(full):
             out[i, : len(t)] = torch.tensor(t)
         return out.to(self.engine.device)  # where TransformerLens's generate returns its tokens
@@ -910,12 +925,12 @@ IN_PROCESS_ENVIRONMENT = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCAC
 
 
 def sampling_settings(do_sample: bool, top_k: int | None, top_p: float | None, temperature: float, seed: int | None,
-                      stop_at_eos: bool, eos_token_id: int | None = None) -> dict:
+                      stop_at_eos: bool, eos_token_id: int | list[int] | None = None) -> dict:
     """vLLM's SamplingParams fields for TransformerLens's generate arguments (greedy unless do_sample)."""
     sampling = {"temperature": temperature if do_sample else 0.0, "top_k": top_k if do_sample and top_k else 0,
                 "top_p": top_p if do_sample and top_p else 1.0, "seed": seed, "ignore_eos": not stop_at_eos}
-    if eos_token_id is not None:
-        sampling["stop_token_ids"] = [eos_token_id]
+    if eos_token_id is not None:  # one id or several, as TransformerLens takes it
+        sampling["stop_token_ids"] = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
     return sampling
 
 

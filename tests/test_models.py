@@ -105,7 +105,7 @@ def test_smollm2_knows_the_capital_of_france():
 
 # ---------------------------------------------------------------------------- tiny models
 
-TINY_BUILDERS = [tiny_models.tiny_llama, tiny_models.tiny_gpt2]
+TINY_BUILDERS = [tiny_models.tiny_llama, tiny_models.tiny_gpt2, tiny_models.tiny_qwen2, tiny_models.tiny_mistral]
 
 
 @pytest.mark.parametrize("build", TINY_BUILDERS)

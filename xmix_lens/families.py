@@ -8,7 +8,7 @@ is made of TransformerLens's weights (tl_surface.py). Where an engine places the
 the engine's own: vLLM's placements are backend/vllm/sites.py's FAMILY_SITES, keyed by the family's
 name. Adding a family is a record here and its placements there (docs/architecture.md).
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 
@@ -61,6 +61,20 @@ LLAMA = Family(
     unplaced=("attn.b_Q", "attn.b_K", "attn.b_V", "attn.b_O", "mlp.b_in", "mlp.b_out"),
 )
 
+# Mistral's checkpoint and blocks are Llama's; vLLM serves it with a class of its own
+MISTRAL = replace(LLAMA, name="mistral", title="Mistral", architectures=("MistralForCausalLM",))
+
+# Qwen2: Llama's blocks with biases on the query, key and value projections
+QWEN2 = replace(
+    LLAMA, name="qwen2", title="Qwen2", architectures=("Qwen2ForCausalLM",),
+    checkpoint=LLAMA.checkpoint + (
+        ("model.layers.{L}.self_attn.q_proj.bias", "flat", "attn.b_Q"),
+        ("model.layers.{L}.self_attn.k_proj.bias", "flat", "attn.b_K"),
+        ("model.layers.{L}.self_attn.v_proj.bias", "flat", "attn.b_V"),
+    ),
+    unplaced=("attn.b_O", "mlp.b_in", "mlp.b_out"),
+)
+
 GPT2 = Family(
     name="gpt2", title="GPT-2", architectures=("GPT2LMHeadModel",), positions="learned", gated_mlp=False,
     checkpoint=(
@@ -84,7 +98,7 @@ GPT2 = Family(
     ),
 )
 
-FAMILIES = {family.name: family for family in (LLAMA, GPT2)}
+FAMILIES = {family.name: family for family in (LLAMA, MISTRAL, QWEN2, GPT2)}
 
 # A checkpoint's config flag: its output layer has a bias, `lm_head.bias` (TransformerLens's b_U), which
 # the family's Hugging Face and vLLM models lack (folding GPT-2's final LayerNorm makes one): the
@@ -96,5 +110,6 @@ ARCHITECTURES = {arch: family for family in FAMILIES.values() for arch in family
 def family_of_architecture(arch: str) -> Family:
     """The family serving a Hugging Face architecture (config.json's first "architectures" entry)."""
     if arch not in ARCHITECTURES:
-        raise ValueError(f"architecture {arch} is not supported yet; supported: {sorted(ARCHITECTURES)}")
+        supported = ", ".join(f"{f.title} ({', '.join(f.architectures)})" for f in FAMILIES.values())
+        raise ValueError(f"architecture {arch} is not supported yet; the supported families: {supported}")
     return ARCHITECTURES[arch]

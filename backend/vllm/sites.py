@@ -132,6 +132,9 @@ class FamilySites:
 # One entry per family of xmix_lens.families, by its name
 FAMILY_SITES = {
     "llama": FamilySites("vllm.model_executor.models.llama:LlamaForCausalLM", _llama_table),
+    # Mistral's and Qwen2's vLLM modules have Llama's paths (q/k/v biases live inside qkv_proj)
+    "mistral": FamilySites("vllm.model_executor.models.mistral:MistralForCausalLM", _llama_table),
+    "qwen2": FamilySites("vllm.model_executor.models.qwen2:Qwen2ForCausalLM", _llama_table),
     "gpt2": FamilySites("vllm.model_executor.models.gpt2:GPT2LMHeadModel", _gpt2_table),
 }
 

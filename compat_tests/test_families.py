@@ -1,0 +1,144 @@
+"""The families beyond Llama and GPT-2 (xmix_lens/families.py), each on a tiny random checkpoint of its
+own (tests/tiny_models.py), against TransformerLens's bridge on the same weights: every hook point's
+cache, attention patterns, writes at residual, attention and MLP points, generate with a hook, both
+padding sides; the seven shipped apps resident in the engine, exported and served.
+
+Each family gets one compiled engine for this module, shut down when it ends (the suite's memory)."""
+import sys
+
+import pytest
+import torch
+
+from compat_tests.reference import TLReference
+from compare import PROMPTS, cache_bound, direction, max_diff, real_mask
+from tests.test_serving_config import Server, free_port
+from tests.test_shipped_apps import assert_resident_equals_per_call, shipped_apps
+from tests.tiny_models import tiny_mistral, tiny_qwen2
+from xmix_lens import HookedServedModel
+from xmix_lens.hook_points import is_computed
+from xmix_lens.request_choice import APPS_KEY
+
+FAMILY_MODELS = {"qwen2": tiny_qwen2, "mistral": tiny_mistral}
+COMPUTED = ("attn.hook_attn_scores", "attn.hook_pattern")  # those on by default, as TransformerLens's
+WRITTEN = ["blocks.0.hook_resid_pre", "blocks.0.attn.hook_q", "blocks.0.attn.hook_v", "blocks.1.attn.hook_z",
+           "blocks.0.hook_attn_out", "blocks.1.mlp.hook_post", "blocks.1.hook_mlp_out", "blocks.1.hook_resid_post"]
+
+
+@pytest.fixture(scope="module", params=list(FAMILY_MODELS))
+def family(request):
+    """(name, the compiled xmix-lens engine, TransformerLens's bridge, the tolerance, the folder): the
+    tolerance is 50x the unhooked logit difference at real positions (compare.tolerance's rule)."""
+    folder = FAMILY_MODELS[request.param]()
+    xl = HookedServedModel.from_pretrained(str(folder), max_model_len=256)
+    tl = TLReference(folder)
+    tokens = xl.to_tokens(PROMPTS)
+    unhooked = max_diff(xl(tokens), tl.run_with_hooks(tokens), real_mask(tl, tokens, "right"))
+    try:
+        assert unhooked < 5e-5, f"unhooked logits {unhooked:.2g} from TransformerLens's (the tiny models' bound)"
+        yield request.param, xl, tl, max(50 * unhooked, 1e-4), folder
+    finally:
+        xl.shutdown()
+
+
+def test_the_family_is_served_by_its_own_record(family):
+    name, xl, _, _, _ = family
+    assert xl.cfg.family == name
+    assert type(xl.engine.llm.llm_engine.model_config.hf_config).__name__.lower().startswith(name)
+
+
+@pytest.mark.parametrize("padding_side", ["right", "left"])
+def test_every_hook_point_caches_as_transformer_lens(family, padding_side):
+    _, xl, tl, tol, _ = family
+    mask = real_mask(tl, tl.to_tokens(PROMPTS, padding_side=padding_side), padding_side)
+    served = [n for n in xl.hook_dict if not is_computed(n) or n.endswith(COMPUTED)]
+    _, ours = xl.run_with_cache(PROMPTS, names_filter=served, padding_side=padding_side)
+    _, theirs = tl.run_with_cache(PROMPTS, names_filter=served, padding_side=padding_side)
+    assert set(ours.keys()) == set(served) and len(served) > 20 * xl.cfg.n_layers
+    for name, value in ours.items():
+        assert value.shape == theirs[name].shape, name
+        if name.endswith(COMPUTED):  # [batch, head, query, key]: real queries, real keys
+            causal = torch.ones(mask.shape[1], mask.shape[1], dtype=torch.bool).tril()  # scores above it: -inf
+            both = mask[:, None, :, None] & mask[:, None, None, :] & causal
+            assert (value - theirs[name]).abs()[both.expand_as(value)].max() <= tol, name
+        else:
+            assert max_diff(value, theirs[name], mask) <= cache_bound(theirs[name], mask, tol), name
+
+
+@pytest.mark.parametrize("padding_side", ["right", "left"])
+@pytest.mark.parametrize("point", WRITTEN)
+def test_writes_move_the_logits_as_in_transformer_lens(family, point, padding_side):
+    _, xl, tl, tol, _ = family
+    mask = real_mask(tl, tl.to_tokens(PROMPTS, padding_side=padding_side), padding_side)
+    pos = -1 if padding_side == "left" else 1
+
+    def steer(act, hook):
+        return act + 2.0 * direction(act.shape[-1], 1)
+
+    def zero_position(act, hook):
+        act[:, pos] = 0.0
+
+    base = xl(PROMPTS, padding_side=padding_side)
+    for fn in (steer, zero_position):
+        ours = xl.run_with_hooks(PROMPTS, fwd_hooks=[(point, fn)], padding_side=padding_side)
+        theirs = tl.run_with_hooks(PROMPTS, fwd_hooks=[(point, fn)], padding_side=padding_side)
+        assert max_diff(ours, theirs, mask) < tol, fn.__name__
+        assert max_diff(ours, base, mask) > 50 * tol, f"{fn.__name__} did not move the logits"
+
+
+def test_generate_with_a_hook_gives_transformer_lens_tokens(family):
+    _, xl, tl, _, _ = family
+    v = 4.0 * direction(xl.cfg.d_model, 2)
+    hooks = [("blocks.0.hook_resid_post", lambda act, hook: act + v)]
+    tokens = xl.to_tokens("The capital of France is")
+    ours = xl.generate(tokens, max_new_tokens=8, do_sample=False, fwd_hooks=hooks)
+    with tl.bridge.hooks(fwd_hooks=hooks):
+        theirs = tl.bridge.generate(tokens.cpu(), max_new_tokens=8, do_sample=False, use_past_kv_cache=False,
+                                    verbose=False)
+    plain = xl.generate(tokens, max_new_tokens=8, do_sample=False)
+    assert torch.equal(ours.cpu(), theirs)
+    assert not torch.equal(ours, plain), "the hook changed no token: the test shows nothing"
+
+
+def test_the_shipped_apps_are_resident_and_equal_their_hooks(family, tmp_path):
+    _, xl, _, _, _ = family
+    built = shipped_apps(xl.cfg)
+    names = xl.install_config(xl.export(built, tmp_path / "apps"))
+    try:
+        assert_resident_equals_per_call(xl, built)
+    finally:
+        for app in names:
+            xl.uninstall(app)
+
+
+def test_the_exported_apps_are_served(family, tmp_path):
+    """`xmix-lens serve` with the seven apps exported: a request choosing them gets the in-process
+    engine's tokens with the same config installed."""
+    _, xl, _, _, folder = family
+    config = xl.export(shipped_apps(xl.cfg), tmp_path / "apps")
+    port = free_port()
+    server = Server([sys.executable, "-m", "xmix_lens.cli", "serve", str(config), "--", str(folder), "--enforce-eager",
+                     "--max-model-len", "256", "--port", str(port)], tmp_path / "server.log", port)
+    names = xl.install_config(config)
+    try:
+        assert server.wait_ready(), server.output()[-3000:]
+        ids = xl.to_tokens(PROMPTS[0], prepend_bos=False)[0].tolist()
+        served = server.complete(str(folder), ids, {APPS_KEY: ",".join(names)})
+        ours = xl.generate(torch.tensor([ids]), max_new_tokens=len(served), do_sample=False, stop_at_eos=False,
+                           apps=names).result[0, len(ids):].tolist()
+        assert served == ours
+    finally:
+        server.stop()
+        for app in names:
+            xl.uninstall(app)
+
+
+def test_an_unsupported_architecture_is_refused_with_the_supported_families(tmp_path):
+    import json
+    import shutil
+
+    for f in tiny_qwen2().iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "architectures": ["FalconForCausalLM"]}))
+    with pytest.raises(ValueError, match=r"FalconForCausalLM is not supported.*Qwen2 \(Qwen2ForCausalLM\)"):
+        HookedServedModel.from_pretrained(str(tmp_path))

@@ -4,13 +4,15 @@ TransformerLens's bridge with the same processing on the same checkpoint: logits
 weights. Three cases: the tiny Llama with HookedTransformer.from_pretrained's default flags
 (refactor_factored_attn_matrices, which TransformerLens refuses for rotary models, left out), the
 tiny GPT-2 with every flag, and the tiny GPT-2 with fold_ln alone: folding its final LayerNorm gives
-an unembedding bias b_U, which the served output layer then has (families.UNEMBEDDING_BIAS)."""
+an unembedding bias b_U, which the served output layer then has (families.UNEMBEDDING_BIAS). And
+the families whose checkpoints lay out TransformerLens's weights otherwise: Qwen2 (q, k, v biases)
+and Phi-3 (fused qkv and gate_up projections)."""
 import pytest
 import torch
 
 from compare import PROMPTS, real_mask
 from compat_tests.reference import TLReference
-from tests.tiny_models import tiny_gpt2, tiny_llama
+from tests.tiny_models import tiny_gpt2, tiny_llama, tiny_phi3, tiny_qwen2
 
 ATOL = 1e-3  # engine (vLLM, fp32) against TransformerLens (HF eager, fp32) on the tiny models
 CASES = {
@@ -19,6 +21,10 @@ CASES = {
     "tiny-gpt2": (tiny_gpt2, {"fold_ln": True, "center_writing_weights": True, "center_unembed": True,
                               "fold_value_biases": True, "refactor_factored_attn_matrices": True}),
     "tiny-gpt2-fold-ln": (tiny_gpt2, {"fold_ln": True}),
+    # Qwen2's q, k, v biases; Phi-3's fused projections (families.py's checkpoint layouts)
+    # (fold_value_biases would give Qwen2 a b_O: test_a_bias_the_family_has_no_place_for_is_refused)
+    "tiny-qwen2": (tiny_qwen2, {"fold_ln": True, "center_writing_weights": True, "center_unembed": True}),
+    "tiny-phi3": (tiny_phi3, {"fold_ln": True, "center_writing_weights": True, "center_unembed": True}),
 }
 
 
@@ -70,3 +76,12 @@ def test_folded_unembedding_bias_is_served_in_generation(processed):
     assert torch.equal(ours.cpu(), theirs)
     if xl.processing["fold_ln"] and xl.cfg.normalization_type == "LN":
         assert xl.b_U.abs().max() > 0.01  # the folded final LayerNorm's bias
+
+
+def test_a_bias_the_family_has_no_place_for_is_refused():
+    """Folding Qwen2's value biases makes an output bias b_O, which Qwen2's o_proj lacks: refused by name,
+    with the flag to leave off, before an engine starts."""
+    from xmix_lens import HookedServedModel
+
+    with pytest.raises(ValueError, match=r"nonzero b_O, which Qwen2 models .*load with fold_value_biases=False"):
+        HookedServedModel.from_pretrained(str(tiny_qwen2()), fold_ln=True, fold_value_biases=True)

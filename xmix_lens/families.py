@@ -29,6 +29,8 @@ class Family:
                    tensor). lm_head.weight (W_U) is every family's.
     unplaced       TransformerLens's block weights the checkpoint has no place for: weight processing
                    must leave them zero
+    qk_norm        each head's query and key pass an RMS norm before the rotary embedding
+                   (attn.hook_q_normed / hook_k_normed)
     """
 
     name: str
@@ -38,6 +40,7 @@ class Family:
     gated_mlp: bool
     checkpoint: tuple[tuple[str, ...], ...]
     unplaced: tuple[str, ...] = ()
+    qk_norm: bool = False
 
     @property
     def rotary(self) -> bool:
@@ -86,6 +89,15 @@ PHI3 = replace(
     ),
 )
 
+# Qwen3: Llama's blocks with an RMS norm on each head's query and key
+QWEN3 = replace(
+    LLAMA, name="qwen3", title="Qwen3", architectures=("Qwen3ForCausalLM",), qk_norm=True,
+    checkpoint=LLAMA.checkpoint + (
+        ("model.layers.{L}.self_attn.q_norm.weight", "as_is", "attn.q_norm.weight"),
+        ("model.layers.{L}.self_attn.k_norm.weight", "as_is", "attn.k_norm.weight"),
+    ),
+)
+
 GPT2 = Family(
     name="gpt2", title="GPT-2", architectures=("GPT2LMHeadModel",), positions="learned", gated_mlp=False,
     checkpoint=(
@@ -109,7 +121,7 @@ GPT2 = Family(
     ),
 )
 
-FAMILIES = {family.name: family for family in (LLAMA, MISTRAL, QWEN2, PHI3, GPT2)}
+FAMILIES = {family.name: family for family in (LLAMA, MISTRAL, QWEN2, QWEN3, PHI3, GPT2)}
 
 # A checkpoint's config flag: its output layer has a bias, `lm_head.bias` (TransformerLens's b_U), which
 # the family's Hugging Face and vLLM models lack (folding GPT-2's final LayerNorm makes one): the

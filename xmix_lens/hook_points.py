@@ -43,6 +43,9 @@ _UNSUPPORTED = {
     r"blocks\.\d+\.attn\.hook_rot_[qk]":
         f"{_lacking(lambda f: f.rotary)} has no rotary embedding (TransformerLens has no hook_rot_q/k for it "
         f"either); use attn.hook_q / hook_k",
+    r"blocks\.\d+\.attn\.hook_[qk]_normed":
+        f"{_lacking(lambda f: f.qk_norm)} has no norm on the query and key (TransformerLens has no "
+        f"hook_q_normed/k_normed for it either); use attn.hook_q / hook_k",
     r"blocks\.\d+\.mlp\.hook_pre_linear":
         f"{_lacking(lambda f: f.gated_mlp)}'s MLP is not gated (TransformerLens has no hook_pre_linear for it "
         f"either); use mlp.hook_pre",
@@ -148,8 +151,9 @@ class HookPoint:
 # One block's hook points in firing order (HookedTransformer's order). The engine places every one
 # of them (a site), except the COMPUTED ones, which the API layer computes after a pass from the
 # engine's reads of it (xmix_lens/computed_points.py): vLLM's forward never materialises them.
-COMPUTED_POINTS = ("hook_attn_in", "hook_q_input", "hook_k_input", "hook_v_input", "attn.hook_attn_scores",
-                   "attn.hook_pattern", "attn.hook_result", "hook_mlp_in", "unembed.hook_out")
+COMPUTED_POINTS = ("hook_attn_in", "hook_q_input", "hook_k_input", "hook_v_input", "attn.hook_q_normed",
+                   "attn.hook_k_normed", "attn.hook_attn_scores", "attn.hook_pattern", "attn.hook_result",
+                   "hook_mlp_in", "unembed.hook_out")
 # Computed points TransformerLens fires only while a config switch is on (model.set_use_attn_result(True) ...)
 SWITCHED = {"hook_attn_in": "use_attn_in", "hook_q_input": "use_split_qkv_input",
             "hook_k_input": "use_split_qkv_input", "hook_v_input": "use_split_qkv_input",
@@ -163,6 +167,7 @@ def _when(on: bool, *points: str) -> tuple[str, ...]:
 def _block_points(family: Family, computed: bool) -> tuple[str, ...]:
     return ("hook_resid_pre", *_when(computed, "hook_attn_in", "hook_q_input", "hook_k_input", "hook_v_input"),
             "ln1.hook_scale", "ln1.hook_normalized", "attn.hook_q", "attn.hook_k", "attn.hook_v",
+            *_when(computed and family.qk_norm, "attn.hook_q_normed", "attn.hook_k_normed"),
             *_when(family.rotary, "attn.hook_rot_q", "attn.hook_rot_k"),
             *_when(computed, "attn.hook_attn_scores", "attn.hook_pattern"), "attn.hook_z",
             *_when(computed, "attn.hook_result"), "hook_attn_out", "hook_resid_mid", *_when(computed, "hook_mlp_in"),

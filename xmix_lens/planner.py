@@ -436,8 +436,9 @@ class Planner:
             values[name] = computed_points.value(point, blocks[L])[0]
         for start, stop in [(0, P)] + [(P + j, P + j + 1) for j in range(steps)]:
             for name, fns in computed.items():
-                queries_by_keys = name.endswith(("attn.hook_attn_scores", "attn.hook_pattern"))
-                act = values[name][:, :, start:stop, :stop] if queries_by_keys else values[name][:, start:stop]
+                act = values[name].narrow(computed_points.position_dim(name), start, stop - start)
+                if name.endswith(("attn.hook_attn_scores", "attn.hook_pattern")):  # keys so far
+                    act = act[..., :stop]
                 if not torch.equal(self.call_hooks(name, fns, act.clone()), act):
                     raise NotImplementedError(f"a hook on {name} changed it in generate: writes to computed hook "
                                               f"points run in forward passes (run_with_hooks), where a further pass "

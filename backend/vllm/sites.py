@@ -136,6 +136,9 @@ FAMILY_SITES = {
     "mistral": FamilySites("vllm.model_executor.models.mistral:MistralForCausalLM", _llama_table),
     "qwen2": FamilySites("vllm.model_executor.models.qwen2:Qwen2ForCausalLM", _llama_table),
     "phi3": FamilySites("vllm.model_executor.models.phi3:Phi3ForCausalLM", _llama_table),
+    # Qwen3's q/k norms run inside its attention's forward, between qkv_proj (hook_q/k) and the
+    # attention layer (hook_rot_q/k): the normed values are computed points (computed_points.py)
+    "qwen3": FamilySites("vllm.model_executor.models.qwen3:Qwen3ForCausalLM", _llama_table),
     "gpt2": FamilySites("vllm.model_executor.models.gpt2:GPT2LMHeadModel", _gpt2_table),
 }
 

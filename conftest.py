@@ -82,7 +82,8 @@ if "vllm.platforms.cpu" in sys.modules:
 else:
     sys.meta_path.insert(0, _AfterImport("vllm.platforms.cpu", _cap_kv_cache))
 
-from tests.tiny_models import tiny_gpt2, tiny_llama, tiny_mistral, tiny_phi3, tiny_qwen2, tiny_qwen3  # noqa: E402
+from tests.tiny_models import (tiny_gpt2, tiny_llama, tiny_mistral, tiny_neox, tiny_phi3, tiny_qwen2,  # noqa: E402
+                               tiny_qwen3)
 from xmix_lens.model_files import ensure_smollm2  # noqa: E402
 
 MODEL_DIRS = {
@@ -94,6 +95,7 @@ MODEL_DIRS = {
     "tiny-qwen3": tiny_qwen3,
     "tiny-mistral": tiny_mistral,
     "tiny-phi3": tiny_phi3,
+    "tiny-neox": tiny_neox,
 }
 
 

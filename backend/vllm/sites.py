@@ -57,6 +57,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from xmix_lens.families import FAMILIES
 from xmix_lens.hook_points import hook_names
 
 from . import site_op  # noqa: F401  (registers torch.ops.xmix.site and site_cols)
@@ -120,6 +121,35 @@ def _gpt2_table(n_layers: int) -> list[tuple[str, str, dict[str, list[str]]]]:
     return table
 
 
+def _neox_table(n_layers: int) -> list[tuple[str, str, dict[str, list[str]]]]:
+    """GPT-NeoX's parallel blocks: both norms read the block's input, which the first norm's sum sites
+    rewrite in place (the layer's forward takes positions first, so no "before" site on it)."""
+    table = [("gpt_neox.embed_in", "after", {"out": ["hook_embed"]})]
+    for L in range(n_layers):
+        layer = f"gpt_neox.layers.{L}"
+        table += [
+            (f"{layer}.input_layernorm", "norm", {"sum": [f"blocks.{L}.hook_resid_pre"],
+                                                  "scale": [f"blocks.{L}.ln1.hook_scale"],
+                                                  "normalized": [f"blocks.{L}.ln1.hook_normalized"]}),
+            (f"{layer}.attention.query_key_value", "split",
+             {"q": [f"blocks.{L}.attn.hook_q"], "k": [f"blocks.{L}.attn.hook_k"], "v": [f"blocks.{L}.attn.hook_v"]}),
+            (f"{layer}.attention.attn", "attention",
+             {"q": [f"blocks.{L}.attn.hook_rot_q"], "k": [f"blocks.{L}.attn.hook_rot_k"]}),
+            (f"{layer}.attention.dense", "before", {"in": [f"blocks.{L}.attn.hook_z"]}),
+            (f"{layer}.attention", "after", {"out": [f"blocks.{L}.hook_attn_out"]}),
+            (f"{layer}.post_attention_layernorm", "norm", {"sum": [], "scale": [f"blocks.{L}.ln2.hook_scale"],
+                                                           "normalized": [f"blocks.{L}.ln2.hook_normalized"]}),
+            (f"{layer}.mlp.dense_h_to_4h", "after", {"out": [f"blocks.{L}.mlp.hook_pre"]}),
+            (f"{layer}.mlp.dense_4h_to_h", "before", {"in": [f"blocks.{L}.mlp.hook_post"]}),
+            (f"{layer}.mlp", "after", {"out": [f"blocks.{L}.hook_mlp_out"]}),
+            (layer, "after", {"out": [f"blocks.{L}.hook_resid_post"]}),
+        ]
+    table.append(("gpt_neox.final_layer_norm", "norm", {"sum": [], "scale": ["ln_final.hook_scale"],
+                                                        "normalized": ["ln_final.hook_normalized"],
+                                                        "weighted": ["unembed.hook_in"]}))
+    return table
+
+
 @dataclass(frozen=True)
 class FamilySites:
     """A family's sites in vLLM: the model class vLLM builds for it (instrumented.py subclasses it
@@ -140,6 +170,7 @@ FAMILY_SITES = {
     # attention layer (hook_rot_q/k): the normed values are computed points (computed_points.py)
     "qwen3": FamilySites("vllm.model_executor.models.qwen3:Qwen3ForCausalLM", _llama_table),
     "gpt2": FamilySites("vllm.model_executor.models.gpt2:GPT2LMHeadModel", _gpt2_table),
+    "gpt_neox": FamilySites("vllm.model_executor.models.gpt_neox:GPTNeoXForCausalLM", _neox_table),
 }
 
 
@@ -359,14 +390,15 @@ def install_sites(model: nn.Module, family: str, n_layers: int, armed: set[str],
 
 def unembedding(model: nn.Module, d_vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(W_U [d_model, d_vocab], b_U [d_vocab]) that map unembed.hook_in (the final norm's output) to
-    logits: vLLM's lm_head in the model's dtype on its device, a view of the engine's own weight
+    logits: vLLM's output layer (lm_head; the family's `unembedding`) in the model's dtype on its device, a view of the engine's own weight
     (no copy) on one rank.
 
     Under TP the vocabulary is split over ranks: every rank must call this (a collective).
     """
     from vllm.distributed import get_tensor_model_parallel_world_size, tensor_model_parallel_all_gather
 
-    W, b = model.lm_head.weight.detach(), getattr(model.lm_head, "bias", None)
+    output = getattr(model, FAMILIES[model.family].unembedding)
+    W, b = output.weight.detach(), getattr(output, "bias", None)
     b = torch.zeros(W.shape[0], dtype=W.dtype, device=W.device) if b is None else b.detach()
     if get_tensor_model_parallel_world_size() > 1:  # vocabulary shards, in rank order: every rank calls this
         W, b = tensor_model_parallel_all_gather(W, dim=0), tensor_model_parallel_all_gather(b, dim=0)

@@ -13,14 +13,14 @@ from compat_tests.reference import TLReference
 from compare import PROMPTS, cache_bound, direction, max_diff, real_mask
 from tests.test_serving_config import Server, free_port
 from tests.test_shipped_apps import assert_resident_equals_per_call, shipped_apps
-from tests.tiny_models import tiny_mistral, tiny_neox, tiny_phi3, tiny_qwen2, tiny_qwen3
+from tests.tiny_models import tiny_gemma2, tiny_mistral, tiny_neox, tiny_phi3, tiny_qwen2, tiny_qwen3
 from xmix_lens import HookedServedModel
 from xmix_lens.families import FAMILIES
 from xmix_lens.hook_points import is_computed
 from xmix_lens.request_choice import APPS_KEY
 
 FAMILY_MODELS = {"qwen2": tiny_qwen2, "qwen3": tiny_qwen3, "mistral": tiny_mistral, "phi3": tiny_phi3,
-                 "gpt_neox": tiny_neox}
+                 "gemma2": tiny_gemma2, "gpt_neox": tiny_neox}
 # Hook points xmix-lens serves that TransformerLens 4.3's bridge lacks for a family (its Phi-3 and GPT-NeoX
 # adapters have no rotary hooks; the engine's are the query and key its attention layer gets, after the
 # rotary embedding, as on Llama)

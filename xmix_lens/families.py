@@ -32,9 +32,12 @@ class Family:
                    must leave them zero
     qk_norm        each head's query and key pass an RMS norm before the rotary embedding
                    (attn.hook_q_normed / hook_k_normed)
+    post_norms     norms on the attention's and the MLP's outputs too (Gemma 2): hook_attn_out and
+                   hook_mlp_out are after them, attn.hook_out and mlp.hook_out before them
     parallel       attention and MLP both read the block's input (x + attn(ln1(x)) + mlp(ln2(x))): no
                    hook_resid_mid, nor hook_mlp_in
-    unembedding    the output layer's name in the checkpoint and in vLLM's model
+    unembedding    the output layer's name in the checkpoint and in vLLM's model (transformers' lm_head)
+    tied           vLLM serves the family only with the unembedding tied to the embedding
     refuses        (config field, value, why): checkpoints of the architecture the family does not serve
     """
 
@@ -46,8 +49,10 @@ class Family:
     checkpoint: tuple[tuple[str, ...], ...]
     unplaced: tuple[str, ...] = ()
     qk_norm: bool = False
+    post_norms: bool = False
     parallel: bool = False
     unembedding: str = "lm_head"
+    tied: bool = False
     refuses: tuple[tuple[str, object, str], ...] = ()
 
     @property
@@ -129,6 +134,18 @@ GPT2 = Family(
     ),
 )
 
+# Gemma 2: Llama's blocks with norms after attention and MLP, embeddings scaled by sqrt(d_model), soft-capped
+# attention scores and logits, every other layer's attention in a sliding window; norms weigh by 1 + w
+GEMMA2 = replace(
+    LLAMA, name="gemma2", title="Gemma 2", architectures=("Gemma2ForCausalLM",), post_norms=True,
+    unembedding="model.embed_tokens", tied=True,  # vLLM's Gemma 2 has no lm_head: its logits use the embedding
+    checkpoint=tuple(entry for entry in LLAMA.checkpoint if "post_attention_layernorm" not in entry[0]) + (
+        ("model.layers.{L}.post_attention_layernorm.weight", "as_is", "ln1_post.w"),
+        ("model.layers.{L}.pre_feedforward_layernorm.weight", "as_is", "ln2.w"),
+        ("model.layers.{L}.post_feedforward_layernorm.weight", "as_is", "ln2_post.w"),
+    ),
+)
+
 # GPT-NeoX (Pythia): parallel attention and MLP, a partial rotary embedding, LayerNorm; its checkpoint's
 # query_key_value holds q, k and v head after head
 NEOX = Family(
@@ -156,7 +173,7 @@ NEOX = Family(
     ),
 )
 
-FAMILIES = {family.name: family for family in (LLAMA, MISTRAL, QWEN2, QWEN3, PHI3, GPT2, NEOX)}
+FAMILIES = {family.name: family for family in (LLAMA, MISTRAL, QWEN2, QWEN3, PHI3, GEMMA2, GPT2, NEOX)}
 
 # A checkpoint's config flag: its output layer has a bias, `lm_head.bias` (TransformerLens's b_U), which
 # the family's Hugging Face and vLLM models lack (folding GPT-2's final LayerNorm makes one): the

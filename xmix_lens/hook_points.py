@@ -54,7 +54,11 @@ _UNSUPPORTED = {
         f"either); use mlp.hook_pre",
 }
 
-def canonical_name(name: str) -> str:
+def canonical_name(name: str, own=()) -> str:
+    """The 3.x name a TransformerLens 4.x spelling aliases; a name of the model's own (`own`: Gemma 2's
+    attn.hook_out is the attention's output before its norm, not hook_attn_out) is itself."""
+    if name in own:
+        return name
     for alias, target in _ALIASES.items():
         if re.fullmatch(alias, name):
             return re.sub(alias, target, name)
@@ -173,10 +177,13 @@ def _block_points(family: Family, computed: bool) -> tuple[str, ...]:
             *_when(computed and family.qk_norm, "attn.hook_q_normed", "attn.hook_k_normed"),
             *_when(family.rotary, "attn.hook_rot_q", "attn.hook_rot_k"),
             *_when(computed, "attn.hook_attn_scores", "attn.hook_pattern"), "attn.hook_z",
-            *_when(computed, "attn.hook_result"), "hook_attn_out", *_when(not family.parallel, "hook_resid_mid"),
+            *_when(computed, "attn.hook_result"),
+            *_when(family.post_norms, "attn.hook_out", "ln1_post.hook_scale", "ln1_post.hook_normalized"),
+            "hook_attn_out", *_when(not family.parallel, "hook_resid_mid"),
             *_when(computed and not family.parallel, "hook_mlp_in"),
             "ln2.hook_scale", "ln2.hook_normalized", "mlp.hook_pre", *_when(family.gated_mlp, "mlp.hook_pre_linear"),
-            "mlp.hook_post", "hook_mlp_out", "hook_resid_post")
+            "mlp.hook_post", *_when(family.post_norms, "mlp.hook_out", "ln2_post.hook_scale", "ln2_post.hook_normalized"),
+            "hook_mlp_out", "hook_resid_post")
 
 
 def _names(family: str, n_layers: int, computed: bool) -> list[str]:
@@ -261,7 +268,7 @@ def resolve(hook_dict: dict[str, HookPoint], name_or_filter: str | Callable[[str
 
     if callable(name_or_filter):
         return [n for n in hook_dict if name_or_filter(n) and not off(n)]
-    name = canonical_name(name_or_filter)
+    name = canonical_name(name_or_filter, hook_dict)
     if name in hook_dict and off(name):
         raise ValueError(f"{name} fires only with cfg.{switch_of(name)} on, as in TransformerLens: call "
                          f"model.set_{switch_of(name)}(True) first")

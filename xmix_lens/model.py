@@ -134,7 +134,7 @@ class HookedServedModel(HookedRoot):
 
         model = cls(model_dir, cfg, tokenizer)
         model.processing = processing  # the weight processing the served weights have had
-        armed_names = armed if armed == "all" else [hook_points.canonical_name(n) for n in armed]
+        armed_names = armed if armed == "all" else [hook_points.canonical_name(n, model.hook_dict) for n in armed]
         configured = app_config.read(config, model_dir) if config is not None else []
         # lowered now, resident while the engine builds its model: before CUDA-graph capture
         resident = [(spec.name, ops, app_config.declared(spec)) for spec, ops in configured]

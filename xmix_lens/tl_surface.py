@@ -77,6 +77,11 @@ def bridge_config(hf_config, model_name: str, dtype: torch.dtype, tokenizer, fam
         cfg.d_vocab_out = cfg.d_vocab
     cfg.device = "cpu"
     cfg.family = family
+    if getattr(hf_config, "sliding_window", None) and cfg.window_size is None:  # HookedTransformer's field
+        cfg.window_size = hf_config.sliding_window
+    if cfg.attn_scale == -1.0:  # as HookedTransformer's config: what attention scores are divided by
+        cfg.attn_scale = getattr(hf_config, "query_pre_attn_scalar", None) or cfg.d_head
+        cfg.attn_scale = cfg.attn_scale ** 0.5
     return cfg
 
 
@@ -119,6 +124,11 @@ def _save_processed(model_dir: Path, flags: dict[str, bool], folder: Path) -> No
     # centring the unembedding changes it alone: a tied embedding is untied
     (embedding,) = (name for name, _, *weights in family.checkpoint if weights == ["W_E"])
     config.tie_word_embeddings = torch.equal(state["lm_head.weight"], state[embedding])
+    if family.tied and not config.tie_word_embeddings:
+        on = ", ".join(flag for flag, value in flags.items() if value)
+        raise ValueError(f"the weight processing ({on}) makes the unembedding differ from the embedding (it folds or "
+                         f"centres one of them), and vLLM serves {family.title} models only with the two tied; load "
+                         f"without weight processing")
     if "lm_head.bias" in state:
         setattr(config, UNEMBEDDING_BIAS, True)
     model = _with_unembedding_bias(AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval(), config)
@@ -226,9 +236,11 @@ def _hf_model_on(model_dir, device: torch.device, dtype: torch.dtype, engine_ten
               for L in range(config.num_hidden_layers)}
     with _parameters_on_meta():  # its shapes and layout, no memory
         skeleton = _with_unembedding_bias(AutoModelForCausalLM.from_config(config, dtype=dtype), config)
-    # the output layer is transformers' lm_head whatever the checkpoint and vLLM call it (NeoX: embed_out)
-    engine_tensors = {("lm_head" + name.removeprefix(family.unembedding) if name.startswith(f"{family.unembedding}.")
-                       else name): tensor for name, tensor in engine_tensors.items()}
+    # the output layer is transformers' lm_head whatever the checkpoint and vLLM call it (NeoX: embed_out;
+    # Gemma 2's vLLM model unembeds with its embedding)
+    engine_tensors = {**engine_tensors, **{"lm_head" + name.removeprefix(family.unembedding): tensor
+                                           for name, tensor in engine_tensors.items()
+                                           if name.startswith(f"{family.unembedding}.")}}
     views = {}
     for name, param in skeleton.named_parameters(remove_duplicate=False):
         tensor = engine_tensors.get(name)
@@ -348,7 +360,7 @@ class ComponentView:
     `W_out`, methods) and calling it come from the same part of TransformerLens's model (model.tl,
     booted on first use): read-only as far as the engine is concerned."""
 
-    _PARTS = ("attn", "mlp", "ln1", "ln2")  # a block's parts
+    _PARTS = ("attn", "mlp", "ln1", "ln2", "ln1_post", "ln2_post")  # a block's parts
 
     def __init__(self, model, path: str):
         object.__setattr__(self, "_model", model)
@@ -357,7 +369,7 @@ class ComponentView:
     def __getattr__(self, attr: str):
         if attr.startswith("__"):
             raise AttributeError(attr)
-        name = canonical_name(f"{self._path}.{attr}")
+        name = canonical_name(f"{self._path}.{attr}", self._model.hook_dict)
         if name in self._model.hook_dict:
             return self._model.hook_dict[name]
         if attr in self._PARTS and self._path.count(".") == 1 and self._path.startswith("blocks."):

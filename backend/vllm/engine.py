@@ -34,6 +34,8 @@ class VllmEngine:
         # unembed.hook_in (the final norm's output) -> logits: vLLM's lm_head, the engine's own tensor
         # (a view) where the engine runs in this process, where a call's logits and losses are computed
         self.W_U, self.b_U = unembed
+        # Gemma 2's logits are soft-capped (cap * tanh(logits / cap)), as vLLM's logits processor does
+        self.logit_softcap = getattr(llm.llm_engine.model_config.hf_config, "final_logit_softcapping", None)
         self.last_run_stats: dict = {}  # requests, prompt tokens and prefix-cache hits of the last run
 
     @classmethod
@@ -264,6 +266,8 @@ class VllmEngine:
         for r in range(0, B, rows):
             x = normalized[r:r + rows].to(device, W_U.dtype).reshape(-1, d_model)
             block = (torch.mm(x, W_U, out_dtype=torch.float32) if tensor_cores else x @ W_U).view(-1, P, V) + b_U
+            if self.logit_softcap:
+                block = self.logit_softcap * torch.tanh(block / self.logit_softcap)
             if logits:
                 all_logits[r:r + rows] = block
             if next_tokens is not None:

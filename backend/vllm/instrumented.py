@@ -85,12 +85,13 @@ class _Instrumented:
         # output layer lacks; the processed folder's config says so (tl_surface.UNEMBEDDING_BIAS)
         self.xmix_unembedding_bias = bool(getattr(vllm_config.model_config.hf_config, UNEMBEDDING_BIAS, False))
         if self.xmix_unembedding_bias:
-            adapter.add_unembedding_bias(getattr(self, FAMILIES[self.family].unembedding))
+            adapter.add_unembedding_bias(self.get_submodule(FAMILIES[self.family].unembedding))
         self._install(vllm_config)
 
     def compute_logits(self, hidden_states, *args, **kwargs):
         if self.xmix_unembedding_bias:
-            return adapter.logits_with_bias(self, getattr(self, FAMILIES[self.family].unembedding), hidden_states)
+            return adapter.logits_with_bias(self, self.get_submodule(FAMILIES[self.family].unembedding),
+                                            hidden_states)
         return super().compute_logits(hidden_states, *args, **kwargs)
 
     def _install(self, vllm_config) -> None:

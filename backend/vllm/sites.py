@@ -17,7 +17,8 @@ add + norm stays fused unless a residual site around it writes.
 Each family (xmix_lens/families.py) has an entry in FAMILY_SITES: vLLM's model class for it, and
 its site table: (submodule path, placement, hook names). Placements:
   "after"         sites on the module's output (the tensor; for vLLM's linear layers, which
-                  return `(out, bias)`, on `out`)
+                  return `(out, bias)`, on `out`); a path ending in a method's name (Gemma 2's
+                  `model.embed_input_ids`, which scales the embedding) puts them on its result
   "before"        sites on the module's first input (in place, so aliases of it see the write)
   "split"         sites on column slices of a merged linear layer's output, one group per part
                   in the layer's `output_partition_sizes` order (q, k, v of a QKV projection;
@@ -121,6 +122,34 @@ def _gpt2_table(n_layers: int) -> list[tuple[str, str, dict[str, list[str]]]]:
     return table
 
 
+def _gemma2_table(n_layers: int) -> list[tuple[str, str, dict[str, list[str]]]]:
+    """Llama's sites and Gemma 2's norms on the attention's and the MLP's outputs: hook_attn_out and
+    hook_mlp_out are those norms' outputs; the residual's add is fused into the norm before the MLP
+    (pre_feedforward_layernorm, TransformerLens's ln2) and the next layer's first."""
+    table = []
+    for path, placement, groups in _llama_table(n_layers):
+        L = path.split(".")[2] if path.startswith("model.layers.") else None
+        if path == "model.embed_tokens":  # TransformerLens's hook_embed is the embedding scaled by sqrt(d_model)
+            table.append(("model.embed_input_ids", placement, groups))
+        elif path == f"model.layers.{L}.self_attn":
+            table += [(path, placement, {"out": [f"blocks.{L}.attn.hook_out"]}),
+                      (f"model.layers.{L}.post_attention_layernorm", "norm",
+                       {"sum": [], "scale": [f"blocks.{L}.ln1_post.hook_scale"],
+                        "normalized": [f"blocks.{L}.ln1_post.hook_normalized"],
+                        "weighted": [f"blocks.{L}.hook_attn_out"]})]
+        elif path == f"model.layers.{L}.post_attention_layernorm":
+            table.append((f"model.layers.{L}.pre_feedforward_layernorm", placement, groups))
+        elif path == f"model.layers.{L}.mlp":
+            table += [(path, placement, {"out": [f"blocks.{L}.mlp.hook_out"]}),
+                      (f"model.layers.{L}.post_feedforward_layernorm", "norm",
+                       {"sum": [], "scale": [f"blocks.{L}.ln2_post.hook_scale"],
+                        "normalized": [f"blocks.{L}.ln2_post.hook_normalized"],
+                        "weighted": [f"blocks.{L}.hook_mlp_out"]})]
+        else:
+            table.append((path, placement, groups))
+    return table
+
+
 def _neox_table(n_layers: int) -> list[tuple[str, str, dict[str, list[str]]]]:
     """GPT-NeoX's parallel blocks: both norms read the block's input, which the first norm's sum sites
     rewrite in place (the layer's forward takes positions first, so no "before" site on it)."""
@@ -169,6 +198,7 @@ FAMILY_SITES = {
     # Qwen3's q/k norms run inside its attention's forward, between qkv_proj (hook_q/k) and the
     # attention layer (hook_rot_q/k): the normed values are computed points (computed_points.py)
     "qwen3": FamilySites("vllm.model_executor.models.qwen3:Qwen3ForCausalLM", _llama_table),
+    "gemma2": FamilySites("vllm.model_executor.models.gemma2:Gemma2ForCausalLM", _gemma2_table),
     "gpt2": FamilySites("vllm.model_executor.models.gpt2:GPT2LMHeadModel", _gpt2_table),
     "gpt_neox": FamilySites("vllm.model_executor.models.gpt_neox:GPTNeoXForCausalLM", _neox_table),
 }
@@ -217,15 +247,15 @@ def _run_sites(x: torch.Tensor, ids: tuple[int, ...]) -> None:
         torch.ops.xmix.site(x, site_id)
 
 
-def _wrap_after(module: nn.Module, site_ids: SiteIds) -> None:
-    inner = module.forward
+def _wrap_after(module: nn.Module, site_ids: SiteIds, method: str = "forward") -> None:
+    inner = getattr(module, method)
 
     def forward(*args, **kwargs):
         out = inner(*args, **kwargs)
         _run_sites(out[0] if isinstance(out, tuple) else out, site_ids.now())
         return out
 
-    module.forward = forward
+    setattr(module, method, forward)
 
 
 def _wrap_split(module: nn.Module, parts: list[SiteIds]) -> None:
@@ -270,7 +300,8 @@ def _scale(norm: nn.Module, centred: torch.Tensor) -> torch.Tensor:
 
 
 def _weighted(norm: nn.Module, normalized: torch.Tensor) -> torch.Tensor:
-    out = normalized * norm.weight
+    # Gemma's RMSNorm weighs by 1 + w (its checkpoint holds w around 0)
+    out = normalized * (norm.weight + 1 if type(norm).__name__ == "GemmaRMSNorm" else norm.weight)
     return out + norm.bias if getattr(norm, "bias", None) is not None else out
 
 
@@ -369,6 +400,10 @@ def install_sites(model: nn.Module, family: str, n_layers: int, armed: set[str],
                        tuple(site_id[n] for n in group if n in armed and n in compiled), active)
 
     for path, placement, groups in table:
+        parent, _, last = path.rpartition(".")
+        method = "forward"
+        if not isinstance(getattr(model.get_submodule(parent), last, None), nn.Module):  # a method: "after" it
+            path, method = parent, last
         module = model.get_submodule(path)
         if placement == "norm":
             parts = [ids(groups.get(part, [])) for part in ("sum", "scale", "normalized", "weighted")]
@@ -383,7 +418,7 @@ def install_sites(model: nn.Module, family: str, n_layers: int, armed: set[str],
             if any(part.armed for part in parts):
                 _wrap_split(module, parts)
         elif (site_ids := ids(groups.get("in", groups.get("out", [])))).armed:
-            (_wrap_before if placement == "before" else _wrap_after)(module, site_ids)
+            _wrap_before(module, site_ids) if placement == "before" else _wrap_after(module, site_ids, method)
     return names
 
 
@@ -397,7 +432,7 @@ def unembedding(model: nn.Module, d_vocab: int) -> tuple[torch.Tensor, torch.Ten
     """
     from vllm.distributed import get_tensor_model_parallel_world_size, tensor_model_parallel_all_gather
 
-    output = getattr(model, FAMILIES[model.family].unembedding)
+    output = model.get_submodule(FAMILIES[model.family].unembedding)
     W, b = output.weight.detach(), getattr(output, "bias", None)
     b = torch.zeros(W.shape[0], dtype=W.dtype, device=W.device) if b is None else b.detach()
     if get_tensor_model_parallel_world_size() > 1:  # vocabulary shards, in rank order: every rank calls this

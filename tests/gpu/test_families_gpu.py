@@ -38,6 +38,9 @@ FAMILY_SHAPES = {
     "phi-3-mini": ("Phi3Config", "Phi3ForCausalLM", dict(
         hidden_size=3072, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
         intermediate_size=8192, vocab_size=32064, sliding_window=None)),
+    "gemma-2-9b": ("Gemma2Config", "Gemma2ForCausalLM", dict(
+        hidden_size=3584, num_hidden_layers=42, num_attention_heads=16, num_key_value_heads=8, head_dim=256,
+        intermediate_size=14336, vocab_size=256000, query_pre_attn_scalar=256, sliding_window=4096)),
     "pythia-6.9b": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(
         hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, intermediate_size=16384,
         vocab_size=50432, rotary_pct=0.25, use_parallel_residual=True, tie_word_embeddings=False)),

@@ -13,14 +13,14 @@ from compat_tests.reference import TLReference
 from compare import PROMPTS, cache_bound, direction, max_diff, real_mask
 from tests.test_serving_config import Server, free_port
 from tests.test_shipped_apps import assert_resident_equals_per_call, shipped_apps
-from tests.tiny_models import tiny_gemma2, tiny_mistral, tiny_neox, tiny_phi3, tiny_qwen2, tiny_qwen3
+from tests.tiny_models import tiny_gemma2, tiny_mistral, tiny_neox, tiny_phi3, tiny_qwen2, tiny_qwen3, tiny_qwen3_moe
 from xmix_lens import HookedServedModel
 from xmix_lens.families import FAMILIES
 from xmix_lens.hook_points import is_computed
 from xmix_lens.request_choice import APPS_KEY
 
 FAMILY_MODELS = {"qwen2": tiny_qwen2, "qwen3": tiny_qwen3, "mistral": tiny_mistral, "phi3": tiny_phi3,
-                 "gemma2": tiny_gemma2, "gpt_neox": tiny_neox}
+                 "gemma2": tiny_gemma2, "gpt_neox": tiny_neox, "qwen3_moe": tiny_qwen3_moe}
 # Hook points xmix-lens serves that TransformerLens 4.3's bridge lacks for a family (its Phi-3 and GPT-NeoX
 # adapters have no rotary hooks; the engine's are the query and key its attention layer gets, after the
 # rotary embedding, as on Llama)
@@ -28,9 +28,12 @@ BEYOND_TRANSFORMER_LENS = {"phi3": ("attn.hook_rot_q", "attn.hook_rot_k"),
                            "gpt_neox": ("attn.hook_rot_q", "attn.hook_rot_k")}
 ATTENTION = ("attn.hook_attn_scores", "attn.hook_pattern")  # [batch, head, query, key]
 HEADS_FIRST = ("attn.hook_q_normed", "attn.hook_k_normed")  # Qwen3's, [batch, head, pos, d_head] as in TL
-COMPUTED = ATTENTION + HEADS_FIRST  # the computed points on by default, as TransformerLens's
+# A mixture of experts' router points, [batch, pos, ...] here; TransformerLens's bridge flattens them to
+# [batch * pos, ...] (docs/hook-points.md)
+ROUTER = ("mlp.gate.hook_out", "mlp.hook_expert_weights", "mlp.hook_expert_indices")
+COMPUTED = ATTENTION + HEADS_FIRST + ROUTER[1:]  # the computed points on by default, as TransformerLens's
 WRITTEN = ["blocks.0.hook_resid_pre", "blocks.0.attn.hook_q", "blocks.0.attn.hook_v", "blocks.1.attn.hook_z",
-           "blocks.0.hook_attn_out", "blocks.1.mlp.hook_post", "blocks.1.hook_mlp_out", "blocks.1.hook_resid_post"]
+           "blocks.0.hook_attn_out", "blocks.1.hook_mlp_out", "blocks.1.hook_resid_post"]
 
 
 @pytest.fixture(scope="module", params=list(FAMILY_MODELS))
@@ -68,6 +71,14 @@ def test_every_hook_point_caches_as_transformer_lens(family, padding_side):
     for name, value in ours.items():
         if name not in theirs:
             continue
+        if name.endswith(ROUTER):
+            value, real = value.flatten(0, 1), mask.flatten()
+            assert value.shape == theirs[name].shape, name
+            if name.endswith("indices"):
+                assert torch.equal(value[real], theirs[name][real]), name
+            else:
+                assert (value - theirs[name]).abs()[real].max() <= cache_bound(theirs[name], real, tol), name
+            continue
         assert value.shape == theirs[name].shape, name
         if name.endswith(ATTENTION):  # real queries, real keys
             causal = torch.ones(mask.shape[1], mask.shape[1], dtype=torch.bool).tril()  # scores above it: -inf
@@ -80,10 +91,7 @@ def test_every_hook_point_caches_as_transformer_lens(family, padding_side):
             assert max_diff(value, theirs[name], mask) <= cache_bound(theirs[name], mask, tol), name
 
 
-@pytest.mark.parametrize("padding_side", ["right", "left"])
-@pytest.mark.parametrize("point", WRITTEN)
-def test_writes_move_the_logits_as_in_transformer_lens(family, point, padding_side):
-    _, xl, tl, tol, _ = family
+def writes_match(xl, tl, tol, point, padding_side, forms=("steer", "zero_position")):
     mask = real_mask(tl, tl.to_tokens(PROMPTS, padding_side=padding_side), padding_side)
     pos = -1 if padding_side == "left" else 1
 
@@ -94,17 +102,55 @@ def test_writes_move_the_logits_as_in_transformer_lens(family, point, padding_si
         act[:, pos] = 0.0
 
     base = xl(PROMPTS, padding_side=padding_side)
-    for fn in (steer, zero_position):
+    for fn in [{"steer": steer, "zero_position": zero_position}[form] for form in forms]:
         ours = xl.run_with_hooks(PROMPTS, fwd_hooks=[(point, fn)], padding_side=padding_side)
         theirs = tl.run_with_hooks(PROMPTS, fwd_hooks=[(point, fn)], padding_side=padding_side)
         assert max_diff(ours, theirs, mask) < tol, fn.__name__
         assert max_diff(ours, base, mask) > 50 * tol, f"{fn.__name__} did not move the logits"
 
 
+@pytest.mark.parametrize("padding_side", ["right", "left"])
+@pytest.mark.parametrize("point", WRITTEN)
+def test_writes_move_the_logits_as_in_transformer_lens(family, point, padding_side):
+    _, xl, tl, tol, _ = family
+    writes_match(xl, tl, tol, point, padding_side)
+
+
+@pytest.mark.parametrize("padding_side", ["right", "left"])
+def test_writes_inside_the_mlp_as_in_transformer_lens(family, padding_side):
+    """The MLP's hidden layer, or a mixture of experts' input."""
+    name, xl, tl, tol, _ = family
+    writes_match(xl, tl, tol, "blocks.1.mlp.hook_in" if FAMILIES[name].moe else "blocks.1.mlp.hook_post",
+                 padding_side)
+
+
+def test_a_write_at_the_router_logits_changes_the_routing(family):
+    """TransformerLens 4.3 ignores a write at mlp.gate.hook_out (its router has chosen already); the served
+    router chooses from the written logits: the experts it reports are the top-k of them, and the
+    logits move."""
+    name, xl, tl, _, _ = family
+    if not FAMILIES[name].moe:
+        with pytest.raises(ValueError, match="not a mixture of experts"):
+            xl.run_with_hooks(PROMPTS, fwd_hooks=[("blocks.0.mlp.gate.hook_out", lambda act, hook: act)])
+        return
+    point, shift = "blocks.0.mlp.gate.hook_out", 3.0 * direction(xl.cfg.num_experts, 4)
+    hooks = [(point, lambda act, hook: act + shift)]
+    plain_logits, plain = xl.run_with_cache(PROMPTS, names_filter=[point, "blocks.0.mlp.hook_expert_indices"])
+    with xl.hooks(fwd_hooks=hooks):
+        logits, steered = xl.run_with_cache(PROMPTS, names_filter=[point, "blocks.0.mlp.hook_expert_indices"])
+    real = real_mask(tl, tl.to_tokens(PROMPTS), "right")
+    torch.testing.assert_close(steered[point][real], plain[point][real] + shift)
+    expected = steered[point].float().softmax(-1).topk(xl.cfg.experts_per_token, dim=-1).indices
+    assert torch.equal(steered["blocks.0.mlp.hook_expert_indices"][real], expected[real])
+    assert not torch.equal(expected[real], plain["blocks.0.mlp.hook_expert_indices"][real])
+    assert float((logits - plain_logits).abs().max()) > 0.1
+    assert torch.equal(tl.run_with_hooks(PROMPTS, fwd_hooks=hooks), tl.run_with_hooks(PROMPTS))  # TL: ignored
+
+
 def test_normed_query_and_key_are_read_only_where_the_family_has_them(family):
     name, xl, _, _, _ = family
     point = "blocks.0.attn.hook_q_normed"
-    if name != "qwen3":
+    if not FAMILIES[name].qk_norm:
         with pytest.raises(ValueError, match="has no norm on the query and key"):
             xl.run_with_hooks(PROMPTS, fwd_hooks=[(point, lambda act, hook: act)])
         return

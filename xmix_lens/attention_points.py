@@ -42,14 +42,15 @@ def _repeat_kv(x: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 def scores_from(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, cfg) -> torch.Tensor:
     """hook_attn_scores from q [batch, pos, head, d_head] and k [batch, pos, kv_head, d_head]: divided
-    by cfg.attn_scale (sqrt(d_head); Gemma 2's sqrt(query_pre_attn_scalar)), soft-capped where the
-    model caps them (cfg.attn_scores_soft_cap > 0: cap * tanh(scores / cap), Gemma 2's)."""
+    by sqrt(d_head) (Gemma 2's sqrt(query_pre_attn_scalar)), soft-capped where the model caps them
+    (cfg.attn_scores_soft_cap > 0: cap * tanh(scores / cap), Gemma 2's)."""
     window = getattr(cfg, "window_size", None)
     if window and q.shape[1] > window:
         raise NotImplementedError(f"attention scores and patterns are computed without the model's sliding window "
                                   f"({window} tokens), so not for a pass of {q.shape[1]} positions: use shorter inputs")
     k = _repeat_kv(k.float(), q.shape[2])
-    scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), k) / cfg.attn_scale
+    scale = (getattr(cfg, "query_pre_attn_scalar", None) or q.shape[-1]) ** 0.5
+    scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), k) / scale
     cap = getattr(cfg, "attn_scores_soft_cap", -1.0)
     if cap > 0:
         scores = cap * torch.tanh(scores / cap)

@@ -5,6 +5,8 @@ HookedTransformer materialises, per block (hook_points.COMPUTED_POINTS, in firin
     hook_q/k/v_input      [batch, pos, head, d_model]     one copy per query / key-value head (cfg.use_split_qkv_input)
     attn.hook_q/k_normed  [batch, head, pos, d_head]      a family with q/k norms (Qwen3): TransformerLens's
                                                           layout, heads first; reads only
+    mlp.hook_expert_weights / _indices  [batch, pos, experts] / [batch, pos, k]   a mixture of experts'
+                                                          choice, from the router's logits; reads only
     attn.hook_attn_scores, attn.hook_pattern              (attention_points.py)
     attn.hook_result      [batch, pos, head, d_model]     each head's share of attn_out (cfg.use_attn_result)
     hook_mlp_in           [batch, pos, d_model]           the residual the MLP branch reads (cfg.use_hook_mlp_in)
@@ -38,6 +40,8 @@ def sources(point: str, family: str) -> tuple[str, ...]:
         return (q.split(".", 2)[2], k.split(".", 2)[2], "attn.hook_v")
     if point in ("attn.hook_q_normed", "attn.hook_k_normed"):
         return (f"attn.hook_{point[10]}",)
+    if point in ("mlp.hook_expert_weights", "mlp.hook_expert_indices"):
+        return ("mlp.gate.hook_out",)
     if point == "attn.hook_result":
         return ("attn.hook_z",)
     if point == "hook_mlp_in":
@@ -70,6 +74,9 @@ def value(point: str, b: Block) -> tuple[torch.Tensor, torch.Tensor]:
         weight = getattr(b.tl_block().attn, f"{point[10]}_norm").weight.to(x.device)
         normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + b.cfg.eps) * weight.float()
         act = normed.transpose(1, 2).to(dtype)  # [batch, head, pos, d_head], as TransformerLens lays it out
+    elif point in ("mlp.hook_expert_weights", "mlp.hook_expert_indices"):
+        weights, indices = _routed(b.reads["mlp.gate.hook_out"], b.cfg)
+        act = weights.to(dtype) if point == "mlp.hook_expert_weights" else indices
     elif point == "attn.hook_attn_scores":
         q, k = (b.reads[name] for name in sources(point, b.cfg.family)[:2])
         act = attention_points.scores_from(q, k, b.mask.to(q.device), b.cfg).to(dtype)
@@ -100,6 +107,9 @@ def targets(point: str, b: Block, act: torch.Tensor) -> dict[str, torch.Tensor]:
     (what the hooks made of the point) in place of what it computed."""
     if point == "attn.hook_attn_scores":
         return {}  # its effect is the pattern's, which fires next
+    if point in ("mlp.hook_expert_weights", "mlp.hook_expert_indices"):
+        raise NotImplementedError(f"a hook changed {point}, which is served for reading only: write at "
+                                  f"mlp.gate.hook_out (the router's logits) to change the routing")
     if point in ("attn.hook_q_normed", "attn.hook_k_normed"):
         # a norm's output has unit RMS: most values written there are no hook_q's, and writing the
         # rotated value would need the rotary embedding on the host
@@ -125,6 +135,17 @@ def targets(point: str, b: Block, act: torch.Tensor) -> dict[str, torch.Tensor]:
         centred, scale = _norm_parts(act, b.cfg)
         return {"ln2.hook_scale": scale, "ln2.hook_normalized": centred / scale}
     raise KeyError(point)
+
+
+def _routed(logits: torch.Tensor, cfg) -> tuple[torch.Tensor, torch.Tensor]:
+    """A softmax router's choice from its logits [batch, pos, experts], as TransformerLens's bridge shows it:
+    the top-k experts' weights (renormalised to sum to 1 where the model does: norm_topk_prob) in place
+    among the experts, zeros elsewhere, and their indices [batch, pos, k], heaviest first."""
+    probs = logits.float().softmax(-1)
+    top, indices = probs.topk(cfg.experts_per_token, dim=-1)
+    if getattr(cfg, "norm_topk_prob", False):
+        top = top / top.sum(-1, keepdim=True)
+    return torch.zeros_like(probs).scatter(-1, indices, top), indices
 
 
 def position_dim(point: str) -> int:

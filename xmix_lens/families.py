@@ -34,11 +34,15 @@ class Family:
                    (attn.hook_q_normed / hook_k_normed)
     post_norms     norms on the attention's and the MLP's outputs too (Gemma 2): hook_attn_out and
                    hook_mlp_out are after them, attn.hook_out and mlp.hook_out before them
+    moe            the MLP is a mixture of experts: its input (mlp.hook_in), the router's logits
+                   (mlp.gate.hook_out) and what the router chose (computed), its output; no single
+                   hidden layer (hook_pre / hook_post)
     parallel       attention and MLP both read the block's input (x + attn(ln1(x)) + mlp(ln2(x))): no
                    hook_resid_mid, nor hook_mlp_in
     unembedding    the output layer's name in the checkpoint and in vLLM's model (transformers' lm_head)
     tied           vLLM serves the family only with the unembedding tied to the embedding
-    refuses        (config field, value, why): checkpoints of the architecture the family does not serve
+    refuses        (config field, value or test of the value, why): checkpoints of the architecture the
+                   family does not serve
     """
 
     name: str
@@ -50,6 +54,7 @@ class Family:
     unplaced: tuple[str, ...] = ()
     qk_norm: bool = False
     post_norms: bool = False
+    moe: bool = False
     parallel: bool = False
     unembedding: str = "lm_head"
     tied: bool = False
@@ -134,6 +139,15 @@ GPT2 = Family(
     ),
 )
 
+# Qwen3-MoE: Qwen3's attention, a mixture of experts in every block (top-k of a softmax router). Weight
+# processing is not offered (no checkpoint layout: TransformerLens's expert weights are not mapped)
+QWEN3_MOE = replace(QWEN3, name="qwen3_moe", title="Qwen3-MoE", architectures=("Qwen3MoeForCausalLM",), moe=True,
+                    checkpoint=(),
+                    refuses=(("mlp_only_layers", bool, "blocks with a dense MLP among the experts' are not placed "
+                              "(every block of Qwen3-MoE's published models is a mixture of experts)"),
+                             ("decoder_sparse_step", lambda step: step != 1, "blocks with a dense MLP among the "
+                              "experts' are not placed")))
+
 # Gemma 2: Llama's blocks with norms after attention and MLP, embeddings scaled by sqrt(d_model), soft-capped
 # attention scores and logits, every other layer's attention in a sliding window; norms weigh by 1 + w
 GEMMA2 = replace(
@@ -173,7 +187,7 @@ NEOX = Family(
     ),
 )
 
-FAMILIES = {family.name: family for family in (LLAMA, MISTRAL, QWEN2, QWEN3, PHI3, GEMMA2, GPT2, NEOX)}
+FAMILIES = {family.name: family for family in (LLAMA, MISTRAL, QWEN2, QWEN3, QWEN3_MOE, PHI3, GEMMA2, GPT2, NEOX)}
 
 # A checkpoint's config flag: its output layer has a bias, `lm_head.bias` (TransformerLens's b_U), which
 # the family's Hugging Face and vLLM models lack (folding GPT-2's final LayerNorm makes one): the
@@ -191,6 +205,7 @@ def family_of(hf_config) -> Family:
         raise ValueError(f"architecture {arch} is not supported yet; the supported families: {supported}")
     family = ARCHITECTURES[arch]
     for field, value, why in family.refuses:
-        if getattr(hf_config, field, None) == value:
-            raise ValueError(f"this {family.title} checkpoint has {field}={value}: {why}")
+        given = getattr(hf_config, field, None)
+        if value(given) if callable(value) else given == value:
+            raise ValueError(f"this {family.title} checkpoint has {field}={given}: {why}")
     return family

@@ -49,9 +49,14 @@ _UNSUPPORTED = {
     r"blocks\.\d+\.(hook_resid_mid|hook_mlp_in)":
         f"{_lacking(lambda f: not f.parallel)}'s attention and MLP read the same residual, in parallel "
         f"(TransformerLens has no hook_resid_mid for it either); use hook_resid_pre",
+    r"blocks\.\d+\.mlp\.(gate\.hook_out|hook_expert_weights|hook_expert_indices)":
+        f"{_lacking(lambda f: f.moe)}'s MLP is not a mixture of experts; use ln2.hook_normalized and mlp.hook_pre",
     r"blocks\.\d+\.mlp\.hook_pre_linear":
-        f"{_lacking(lambda f: f.gated_mlp)}'s MLP is not gated (TransformerLens has no hook_pre_linear for it "
-        f"either); use mlp.hook_pre",
+        f"{_lacking(lambda f: f.gated_mlp and not f.moe)}'s MLP is not gated, or is a mixture of experts "
+        f"(TransformerLens has no hook_pre_linear for it either); use mlp.hook_pre, or a mixture's mlp.hook_in",
+    r"blocks\.\d+\.mlp\.hook_(pre|post)":
+        f"{_lacking(lambda f: not f.moe)}'s MLP is a mixture of experts, with no single hidden layer; use "
+        f"mlp.hook_in, mlp.gate.hook_out (the router's logits) and hook_mlp_out",
 }
 
 def canonical_name(name: str, own=()) -> str:
@@ -160,7 +165,7 @@ class HookPoint:
 # engine's reads of it (xmix_lens/computed_points.py): vLLM's forward never materialises them.
 COMPUTED_POINTS = ("hook_attn_in", "hook_q_input", "hook_k_input", "hook_v_input", "attn.hook_q_normed",
                    "attn.hook_k_normed", "attn.hook_attn_scores", "attn.hook_pattern", "attn.hook_result",
-                   "hook_mlp_in", "unembed.hook_out")
+                   "hook_mlp_in", "mlp.hook_expert_weights", "mlp.hook_expert_indices", "unembed.hook_out")
 # Computed points TransformerLens fires only while a config switch is on (model.set_use_attn_result(True) ...)
 SWITCHED = {"hook_attn_in": "use_attn_in", "hook_q_input": "use_split_qkv_input",
             "hook_k_input": "use_split_qkv_input", "hook_v_input": "use_split_qkv_input",
@@ -181,9 +186,19 @@ def _block_points(family: Family, computed: bool) -> tuple[str, ...]:
             *_when(family.post_norms, "attn.hook_out", "ln1_post.hook_scale", "ln1_post.hook_normalized"),
             "hook_attn_out", *_when(not family.parallel, "hook_resid_mid"),
             *_when(computed and not family.parallel, "hook_mlp_in"),
-            "ln2.hook_scale", "ln2.hook_normalized", "mlp.hook_pre", *_when(family.gated_mlp, "mlp.hook_pre_linear"),
-            "mlp.hook_post", *_when(family.post_norms, "mlp.hook_out", "ln2_post.hook_scale", "ln2_post.hook_normalized"),
+            "ln2.hook_scale", "ln2.hook_normalized", *(_moe_points(computed) if family.moe else _mlp_points(family)),
+            *_when(family.post_norms, "mlp.hook_out", "ln2_post.hook_scale", "ln2_post.hook_normalized"),
             "hook_mlp_out", "hook_resid_post")
+
+
+def _mlp_points(family: Family) -> tuple[str, ...]:
+    return ("mlp.hook_pre", *_when(family.gated_mlp, "mlp.hook_pre_linear"), "mlp.hook_post")
+
+
+def _moe_points(computed: bool) -> tuple[str, ...]:
+    """A mixture of experts' points (TransformerLens's names): its input, the router's logits, what the
+    router chose (computed from them)."""
+    return ("mlp.hook_in", "mlp.gate.hook_out", *_when(computed, "mlp.hook_expert_weights", "mlp.hook_expert_indices"))
 
 
 def _names(family: str, n_layers: int, computed: bool) -> list[str]:
@@ -231,7 +246,8 @@ def model_dims(cfg) -> dict[str, int]:
     return {"d_model": d_model, "n_heads": n_heads,
             "n_kv_heads": first("num_key_value_heads", "n_key_value_heads") or n_heads,
             "d_head": first("head_dim", "d_head") or d_model // n_heads,
-            "d_mlp": first("intermediate_size", "n_inner", "d_mlp") or 4 * d_model}
+            "d_mlp": first("intermediate_size", "n_inner", "d_mlp") or 4 * d_model,
+            "n_experts": first("num_experts", "num_local_experts")}
 
 
 def feature_shape(name: str, config) -> tuple[int, ...]:
@@ -247,6 +263,8 @@ def feature_shape(name: str, config) -> tuple[int, ...]:
         return (d["d_mlp"],)
     if point.endswith("hook_scale"):
         return (1,)
+    if point == "mlp.gate.hook_out":  # the router's logits
+        return (d["n_experts"],)
     # computed points, [batch, pos, heads, d_model]: per head, HookedTransformer's layout (k and v per key-value head)
     if point in ("hook_attn_in", "hook_q_input", "attn.hook_result"):
         return (d["n_heads"], d["d_model"])

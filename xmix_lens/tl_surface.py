@@ -77,11 +77,12 @@ def bridge_config(hf_config, model_name: str, dtype: torch.dtype, tokenizer, fam
         cfg.d_vocab_out = cfg.d_vocab
     cfg.device = "cpu"
     cfg.family = family
+    if getattr(hf_config, "norm_topk_prob", None) is not None:  # a mixture of experts' router (computed_points)
+        cfg.norm_topk_prob = hf_config.norm_topk_prob
     if getattr(hf_config, "sliding_window", None) and cfg.window_size is None:  # HookedTransformer's field
         cfg.window_size = hf_config.sliding_window
-    if cfg.attn_scale == -1.0:  # as HookedTransformer's config: what attention scores are divided by
-        cfg.attn_scale = getattr(hf_config, "query_pre_attn_scalar", None) or cfg.d_head
-        cfg.attn_scale = cfg.attn_scale ** 0.5
+    if getattr(hf_config, "query_pre_attn_scalar", None):  # Gemma 2's: attention scores are divided by its root
+        cfg.query_pre_attn_scalar = hf_config.query_pre_attn_scalar
     return cfg
 
 
@@ -105,6 +106,11 @@ def processed_folder(model_dir: Path, flags: dict[str, bool]) -> Path:
     flags = {flag: bool(flags.get(flag, False)) for flag in PROCESSING_FLAGS}  # TL's defaults are True
     if not any(flags.values()):
         return model_dir
+    from transformers import AutoConfig
+
+    if not (family := family_of(AutoConfig.from_pretrained(model_dir))).checkpoint:
+        raise ValueError(f"weight processing of {family.title} models is not supported yet; load without it "
+                         f"(fold_ln=False, center_writing_weights=False, center_unembed=False)")
     files = sorted(p for p in model_dir.iterdir() if p.is_file())
     digest = hashlib.sha256(json.dumps([str(model_dir.resolve()), sorted(flags.items()),
                                         [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]]).encode())

@@ -150,6 +150,21 @@ def _gemma2_table(n_layers: int) -> list[tuple[str, str, dict[str, list[str]]]]:
     return table
 
 
+def _moe_table(n_layers: int) -> list[tuple[str, str, dict[str, list[str]]]]:
+    """Llama's sites with a mixture of experts for the MLP: its input (the norm's output), the router's
+    logits (its gate's output, before vLLM's fused experts route) and its output."""
+    table = []
+    for path, placement, groups in _llama_table(n_layers):
+        L = path.split(".")[2] if path.startswith("model.layers.") else None
+        if path == f"model.layers.{L}.post_attention_layernorm":
+            table.append((path, placement, {**groups, "weighted": [f"blocks.{L}.mlp.hook_in"]}))
+        elif path == f"model.layers.{L}.mlp.gate_up_proj":
+            table.append((f"model.layers.{L}.mlp.gate", "after", {"out": [f"blocks.{L}.mlp.gate.hook_out"]}))
+        elif path != f"model.layers.{L}.mlp.down_proj":
+            table.append((path, placement, groups))
+    return table
+
+
 def _neox_table(n_layers: int) -> list[tuple[str, str, dict[str, list[str]]]]:
     """GPT-NeoX's parallel blocks: both norms read the block's input, which the first norm's sum sites
     rewrite in place (the layer's forward takes positions first, so no "before" site on it)."""
@@ -198,6 +213,7 @@ FAMILY_SITES = {
     # Qwen3's q/k norms run inside its attention's forward, between qkv_proj (hook_q/k) and the
     # attention layer (hook_rot_q/k): the normed values are computed points (computed_points.py)
     "qwen3": FamilySites("vllm.model_executor.models.qwen3:Qwen3ForCausalLM", _llama_table),
+    "qwen3_moe": FamilySites("vllm.model_executor.models.qwen3_moe:Qwen3MoeForCausalLM", _moe_table),
     "gemma2": FamilySites("vllm.model_executor.models.gemma2:Gemma2ForCausalLM", _gemma2_table),
     "gpt2": FamilySites("vllm.model_executor.models.gpt2:GPT2LMHeadModel", _gpt2_table),
     "gpt_neox": FamilySites("vllm.model_executor.models.gpt_neox:GPTNeoXForCausalLM", _neox_table),

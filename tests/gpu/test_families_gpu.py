@@ -41,6 +41,10 @@ FAMILY_SHAPES = {
     "gemma-2-9b": ("Gemma2Config", "Gemma2ForCausalLM", dict(
         hidden_size=3584, num_hidden_layers=42, num_attention_heads=16, num_key_value_heads=8, head_dim=256,
         intermediate_size=14336, vocab_size=256000, query_pre_attn_scalar=256, sliding_window=4096)),
+    "qwen3-30b-a3b": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        hidden_size=2048, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+        intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+        norm_topk_prob=True, vocab_size=151936, tie_word_embeddings=False)),
     "pythia-6.9b": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(
         hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, intermediate_size=16384,
         vocab_size=50432, rotary_pct=0.25, use_parallel_residual=True, tie_word_embeddings=False)),
@@ -82,7 +86,7 @@ def engine(request, tmp_path_factory):
              apps.linear_probe("probe", f"blocks.{L - 1}.hook_resid_post", direction / direction.norm())]
     start = time.perf_counter()
     model = HookedServedModel.from_pretrained(folder, dtype="bfloat16", load_format="dummy", max_model_len=512,
-                                              gpu_memory_utilization=0.5, apps=built)
+                                              gpu_memory_utilization=0.9, apps=built)  # the MoE: 61 GB
     seconds = time.perf_counter() - start
     yield request.param, model, built, seconds
     model.shutdown()

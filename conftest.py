@@ -82,8 +82,8 @@ if "vllm.platforms.cpu" in sys.modules:
 else:
     sys.meta_path.insert(0, _AfterImport("vllm.platforms.cpu", _cap_kv_cache))
 
-from tests.tiny_models import (tiny_gemma2, tiny_gpt2, tiny_llama, tiny_mistral, tiny_neox, tiny_phi3,  # noqa: E402
-                               tiny_qwen2, tiny_qwen3, tiny_qwen3_moe)
+from tests.tiny_models import (tiny_gemma2, tiny_gemma3, tiny_gpt2, tiny_llama, tiny_mistral, tiny_neox,  # noqa: E402
+                               tiny_phi3, tiny_qwen2, tiny_qwen3, tiny_qwen3_moe)
 from xmix_lens.model_files import ensure_smollm2  # noqa: E402
 
 MODEL_DIRS = {
@@ -97,6 +97,7 @@ MODEL_DIRS = {
     "tiny-phi3": tiny_phi3,
     "tiny-neox": tiny_neox,
     "tiny-gemma2": tiny_gemma2,
+    "tiny-gemma3": tiny_gemma3,
     "tiny-qwen3-moe": tiny_qwen3_moe,
 }
 

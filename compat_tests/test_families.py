@@ -13,21 +13,22 @@ from compat_tests.reference import TLReference
 from compare import PROMPTS, cache_bound, direction, max_diff, real_mask
 from tests.test_serving_config import Server, free_port
 from tests.test_shipped_apps import assert_resident_equals_per_call, shipped_apps
-from tests.tiny_models import tiny_gemma2, tiny_mistral, tiny_neox, tiny_phi3, tiny_qwen2, tiny_qwen3, tiny_qwen3_moe
+from tests.tiny_models import (tiny_gemma2, tiny_gemma3, tiny_mistral, tiny_neox, tiny_phi3, tiny_qwen2, tiny_qwen3,
+                               tiny_qwen3_moe)
 from xmix_lens import HookedServedModel
 from xmix_lens.families import FAMILIES
 from xmix_lens.hook_points import is_computed
 from xmix_lens.request_choice import APPS_KEY
 
 FAMILY_MODELS = {"qwen2": tiny_qwen2, "qwen3": tiny_qwen3, "mistral": tiny_mistral, "phi3": tiny_phi3,
-                 "gemma2": tiny_gemma2, "gpt_neox": tiny_neox, "qwen3_moe": tiny_qwen3_moe}
+                 "gemma2": tiny_gemma2, "gemma3": tiny_gemma3, "gpt_neox": tiny_neox, "qwen3_moe": tiny_qwen3_moe}
 # Hook points xmix-lens serves that TransformerLens 4.3's bridge lacks for a family (its Phi-3 and GPT-NeoX
 # adapters have no rotary hooks; the engine's are the query and key its attention layer gets, after the
 # rotary embedding, as on Llama)
 BEYOND_TRANSFORMER_LENS = {"phi3": ("attn.hook_rot_q", "attn.hook_rot_k"),
                            "gpt_neox": ("attn.hook_rot_q", "attn.hook_rot_k")}
 ATTENTION = ("attn.hook_attn_scores", "attn.hook_pattern")  # [batch, head, query, key]
-HEADS_FIRST = ("attn.hook_q_normed", "attn.hook_k_normed")  # Qwen3's, [batch, head, pos, d_head] as in TL
+HEADS_FIRST = ("attn.hook_q_normed", "attn.hook_k_normed")  # Qwen3's, Gemma 3's: [batch, head, pos, d_head], TL's
 # A mixture of experts' router points, [batch, pos, ...] here; TransformerLens's bridge flattens them to
 # [batch * pos, ...] (docs/hook-points.md)
 ROUTER = ("mlp.gate.hook_out", "mlp.hook_expert_weights", "mlp.hook_expert_indices")

@@ -13,7 +13,8 @@ import torch
 
 from compare import PROMPTS, real_mask
 from compat_tests.reference import TLReference
-from tests.tiny_models import tiny_gemma2, tiny_gpt2, tiny_llama, tiny_neox, tiny_phi3, tiny_qwen2, tiny_qwen3
+from tests.tiny_models import (tiny_gemma2, tiny_gemma3, tiny_gpt2, tiny_llama, tiny_neox, tiny_phi3, tiny_qwen2,
+                               tiny_qwen3)
 
 ATOL = 1e-3  # engine (vLLM, fp32) against TransformerLens (HF eager, fp32) on the tiny models
 CASES = {
@@ -27,6 +28,7 @@ CASES = {
     "tiny-qwen2": (tiny_qwen2, {"fold_ln": True, "center_writing_weights": True, "center_unembed": True}),
     "tiny-phi3": (tiny_phi3, {"fold_ln": True, "center_writing_weights": True, "center_unembed": True}),
     "tiny-qwen3": (tiny_qwen3, {"fold_ln": True, "center_writing_weights": True, "center_unembed": True}),
+    "tiny-gemma3": (tiny_gemma3, {"fold_ln": True, "center_writing_weights": True, "center_unembed": True}),
     "tiny-neox": (tiny_neox, {"fold_ln": True, "center_writing_weights": True, "center_unembed": True,
                               "fold_value_biases": True}),
 }
@@ -66,7 +68,9 @@ def test_processed_weights_are_transformer_lens_processed_weights(processed, ref
     for weight in ("W_Q", "W_K", "W_V", "W_O", "W_in", "W_out", "W_E", "W_U", "b_U"):
         assert torch.allclose(getattr(xl, weight), getattr(tl.bridge, weight), atol=1e-6), weight
     if xl.processing["fold_ln"]:
-        assert torch.allclose(xl.blocks[0].ln1.w, torch.ones(xl.cfg.d_model))  # folded into the weights after it
+        # folded into the weights after it: a gain of 1 (Gemma's norms weigh by 1 + w)
+        folded = torch.zeros if getattr(xl.cfg, "rmsnorm_uses_offset", False) else torch.ones
+        assert torch.allclose(xl.blocks[0].ln1.w, folded(xl.cfg.d_model))
 
 
 def test_folded_unembedding_bias_is_served_in_generation(processed):

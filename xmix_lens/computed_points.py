@@ -71,8 +71,9 @@ def value(point: str, b: Block) -> tuple[torch.Tensor, torch.Tensor]:
         act = _per_head(b.reads["hook_resid_pre"], _kv_heads(b.cfg))
     elif point in ("attn.hook_q_normed", "attn.hook_k_normed"):
         x = b.reads[sources(point, b.cfg.family)[0]]
-        weight = getattr(b.tl_block().attn, f"{point[10]}_norm").weight.to(x.device)
-        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + b.cfg.eps) * weight.float()
+        weight = getattr(b.tl_block().attn, f"{point[10]}_norm").weight.to(x.device).float()
+        gain = weight + 1 if getattr(b.cfg, "rmsnorm_uses_offset", False) else weight  # Gemma's norms: 1 + w
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + b.cfg.eps) * gain
         act = normed.transpose(1, 2).to(dtype)  # [batch, head, pos, d_head], as TransformerLens lays it out
     elif point in ("mlp.hook_expert_weights", "mlp.hook_expert_indices"):
         weights, indices = _routed(b.reads["mlp.gate.hook_out"], b.cfg)

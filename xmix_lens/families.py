@@ -160,6 +160,15 @@ GEMMA2 = replace(
     ),
 )
 
+# Gemma 3 (its text model): Gemma 2's blocks without the soft caps, with (1 + w) RMS norms on each head's
+# query and key; its vLLM class has an lm_head (tied or not)
+GEMMA3 = replace(GEMMA2, name="gemma3", title="Gemma 3", architectures=("Gemma3ForCausalLM",), qk_norm=True,
+                 unembedding="lm_head", tied=False,
+                 checkpoint=GEMMA2.checkpoint + (
+                     ("model.layers.{L}.self_attn.q_norm.weight", "as_is", "attn.q_norm.weight"),
+                     ("model.layers.{L}.self_attn.k_norm.weight", "as_is", "attn.k_norm.weight"),
+                 ))
+
 # GPT-NeoX (Pythia): parallel attention and MLP, a partial rotary embedding, LayerNorm; its checkpoint's
 # query_key_value holds q, k and v head after head
 NEOX = Family(
@@ -187,7 +196,8 @@ NEOX = Family(
     ),
 )
 
-FAMILIES = {family.name: family for family in (LLAMA, MISTRAL, QWEN2, QWEN3, QWEN3_MOE, PHI3, GEMMA2, GPT2, NEOX)}
+FAMILIES = {family.name: family for family in (LLAMA, MISTRAL, QWEN2, QWEN3, QWEN3_MOE, PHI3, GEMMA2, GEMMA3, GPT2,
+                                               NEOX)}
 
 # A checkpoint's config flag: its output layer has a bias, `lm_head.bias` (TransformerLens's b_U), which
 # the family's Hugging Face and vLLM models lack (folding GPT-2's final LayerNorm makes one): the

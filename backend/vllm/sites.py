@@ -215,6 +215,8 @@ FAMILY_SITES = {
     "qwen3": FamilySites("vllm.model_executor.models.qwen3:Qwen3ForCausalLM", _llama_table),
     "qwen3_moe": FamilySites("vllm.model_executor.models.qwen3_moe:Qwen3MoeForCausalLM", _moe_table),
     "gemma2": FamilySites("vllm.model_executor.models.gemma2:Gemma2ForCausalLM", _gemma2_table),
+    # Gemma 3's q/k norms run inside its attention's forward: computed points, as Qwen3's
+    "gemma3": FamilySites("vllm.model_executor.models.gemma3:Gemma3ForCausalLM", _gemma2_table),
     "gpt2": FamilySites("vllm.model_executor.models.gpt2:GPT2LMHeadModel", _gpt2_table),
     "gpt_neox": FamilySites("vllm.model_executor.models.gpt_neox:GPTNeoXForCausalLM", _neox_table),
 }

@@ -41,6 +41,9 @@ FAMILY_SHAPES = {
     "gemma-2-9b": ("Gemma2Config", "Gemma2ForCausalLM", dict(
         hidden_size=3584, num_hidden_layers=42, num_attention_heads=16, num_key_value_heads=8, head_dim=256,
         intermediate_size=14336, vocab_size=256000, query_pre_attn_scalar=256, sliding_window=4096)),
+    "gemma-3-12b": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        hidden_size=3840, num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=8, head_dim=256,
+        intermediate_size=15360, vocab_size=262208, query_pre_attn_scalar=256, sliding_window=1024)),
     "qwen3-30b-a3b": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
         hidden_size=2048, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
         intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,

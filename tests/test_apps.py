@@ -508,7 +508,7 @@ def test_all_seven_apps_in_one_engine_each_request_as_its_subset_alone(pair, tol
         if names:  # every subset here writes: a request's apps took effect, not just no harm done
             assert (own - plain[row, -n:]).abs().max() > 50 * tol
         own_tokens = alone_generated[row].result[0] if names else alone_generated[row][0]
-        assert torch.equal(generated.result[row, : n + NEW], own_tokens)
+        assert torch.equal(generated.result[row, -(n + NEW):], own_tokens)  # rows come back left-padded
         for app in built:
             for key, value in mixed.outputs.get(app.name, {}).items():
                 if app.name not in names:

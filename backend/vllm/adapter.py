@@ -212,6 +212,21 @@ def _eager_steps_when_needed(runner, runtime) -> None:
     manager.xmix_wrapped = True
 
 
+def ensure_expert_group() -> None:
+    """The expert-parallel group a mixture of experts' layers ask for. vLLM makes it when it sets up
+    the process's parallel groups, and only if that engine's model is a mixture; in-process engines
+    share the process's groups (the first engine's), so a mixture built after a dense engine finds
+    none. Made here as vLLM makes it for that layout: the tensor-parallel ranks (in-process engines
+    have no data or context parallelism)."""
+    from vllm.distributed import parallel_state
+
+    if parallel_state._EP is None and parallel_state.model_parallel_is_initialized():
+        tp = parallel_state.get_tp_group()
+        parallel_state._EP = parallel_state.init_model_parallel_group(
+            [tp.ranks], parallel_state.get_world_group().local_rank, torch.distributed.get_backend(tp.device_group),
+            group_name="ep")
+
+
 def add_unembedding_bias(lm_head) -> None:
     """A bias on vLLM's output layer (a ParallelLMHead built without one), loaded from the checkpoint's
     `lm_head.bias` as its weight is: one row per vocabulary entry of this rank's shard, padding 0."""

@@ -80,6 +80,8 @@ class _Instrumented:
     family: str
 
     def __init__(self, *, vllm_config, prefix: str = ""):
+        if FAMILIES[self.family].moe:
+            adapter.ensure_expert_group()
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         # TransformerLens's processing (fold_ln) can give an unembedding bias b_U, which the family's
         # output layer lacks; the processed folder's config says so (tl_surface.UNEMBEDDING_BIAS)

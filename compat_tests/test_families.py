@@ -219,13 +219,17 @@ def test_an_unsupported_architecture_is_refused_with_the_supported_families(tmp_
         HookedServedModel.from_pretrained(str(tmp_path))
 
 
-def test_a_checkpoint_of_a_kind_the_family_does_not_serve_is_refused(tmp_path):
+@pytest.mark.parametrize("build,change,says", [
+    (tiny_neox, {"use_parallel_residual": False}, "use_parallel_residual=False: only its parallel blocks"),
+    (tiny_qwen3_moe, {"mlp_only_layers": [1]}, r"mlp_only_layers=\[1\]: blocks with a dense MLP"),
+])
+def test_a_checkpoint_of_a_kind_the_family_does_not_serve_is_refused(tmp_path, build, change, says):
     import json
     import shutil
 
-    for f in tiny_neox().iterdir():
+    for f in build().iterdir():
         shutil.copy(f, tmp_path / f.name)
     config = json.loads((tmp_path / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({**config, "use_parallel_residual": False}))
-    with pytest.raises(ValueError, match="use_parallel_residual=False: only its parallel blocks"):
+    (tmp_path / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(ValueError, match=says):
         HookedServedModel.from_pretrained(str(tmp_path))

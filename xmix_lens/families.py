@@ -145,8 +145,8 @@ QWEN3_MOE = replace(QWEN3, name="qwen3_moe", title="Qwen3-MoE", architectures=("
                     checkpoint=(),
                     refuses=(("mlp_only_layers", bool, "blocks with a dense MLP among the experts' are not placed "
                               "(every block of Qwen3-MoE's published models is a mixture of experts)"),
-                             ("decoder_sparse_step", lambda step: step != 1, "blocks with a dense MLP among the "
-                              "experts' are not placed")))
+                             ("decoder_sparse_step", lambda step: step not in (None, 1),
+                              "blocks with a dense MLP among the experts' are not placed")))
 
 # Gemma 2: Llama's blocks with norms after attention and MLP, embeddings scaled by sqrt(d_model), soft-capped
 # attention scores and logits, every other layer's attention in a sliding window; norms weigh by 1 + w

@@ -259,3 +259,18 @@ def test_read_lowering_uses_the_projection_template():
 
 
 hook_store: dict = {}
+
+
+def test_a_runtime_made_under_a_default_device_opens_passes_on_its_host_tables():
+    """vLLM builds the model, and so its site runtime, under a default-device context (the GPU
+    there): the runtime's host table of the open passes' positions made without an explicit device
+    landed on the GPU, and the first hooked call failed. Made under the meta device, where any such
+    table fails, it opens a pass and routes its tokens as one made outside it."""
+    with torch.device("meta"):
+        runtime = SiteRuntime("llama", [SITE], {SITE}, torch.device("cpu"), max_tokens=B * P)
+    tracer = Tracer(SITE, (B, P, F), torch.float32)
+    tracer.call(IDIOMS["steer"], None)
+    tracer.finish()
+    p = runtime.open_pass([torch.arange(P)] * B, [0] * B, (P, {SITE: lower(tracer.graph)}))
+    assert runtime.places.device.type == "cpu" and runtime.places[1:].tolist() == list(range(P)) * B
+    runtime.finish_passes([p.pass_id], [])

@@ -143,3 +143,23 @@ def test_xmix_lens_serve_names_its_endpoint_plugin_in_vllm_plugins():
     assert serve_environment({})["VLLM_PLUGINS"] == "xmix_lens"
     assert serve_environment({"VLLM_PLUGINS": "other"})["VLLM_PLUGINS"] == "other,xmix_lens"  # an allow-list: kept
     assert serve_environment({"VLLM_PLUGINS": "xmix_lens,other"})["VLLM_PLUGINS"] == "xmix_lens,other"
+
+
+def test_on_a_gpu_the_server_gets_vllms_v2_model_runner_unless_the_user_chose():
+    from xmix_lens.cli import serve_environment
+
+    assert serve_environment({}, on_gpu=True)["VLLM_USE_V2_MODEL_RUNNER"] == "1"
+    assert serve_environment({"VLLM_USE_V2_MODEL_RUNNER": "0"}, on_gpu=True)["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+    assert "VLLM_USE_V2_MODEL_RUNNER" not in serve_environment({}, on_gpu=False)
+
+
+def test_vllms_v1_gpu_model_runner_is_refused_with_the_setting_that_avoids_it():
+    from types import SimpleNamespace
+
+    import torch
+
+    from xmix_lens.backend.vllm import adapter
+
+    v1_gpu_runner = SimpleNamespace(input_batch=object(), device=torch.device("cuda", 0))
+    with pytest.raises(RuntimeError, match="VLLM_USE_V2_MODEL_RUNNER=1"):
+        adapter.bind_runner(v1_gpu_runner, runtime=SimpleNamespace())

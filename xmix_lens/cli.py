@@ -244,24 +244,28 @@ def serve_command(config: str, vllm_args: list[str], on_cpu: bool, available_mem
     return command, "xmix-lens serve: " + ", ".join(said)
 
 
-def serve_environment(environ) -> dict:
+def serve_environment(environ, on_gpu: bool = False) -> dict:
     """The server's environment: VLLM_PLUGINS names xmix_lens (vLLM loads endpoint plugins only when
-    it names them: the API server's side of per-request app choices), other plugins kept."""
+    it names them: the API server's side of per-request app choices), other plugins kept; on a GPU,
+    vLLM's V2 model runner unless the user chose (model.GPU_ENVIRONMENT)."""
+    from .model import GPU_ENVIRONMENT
+
     named = [p for p in environ.get("VLLM_PLUGINS", "").split(",") if p]
     if "VLLM_PLUGINS" in environ and "xmix_lens" not in named:
         named.append("xmix_lens")
-    return {**environ, "VLLM_PLUGINS": ",".join(named or ["xmix_lens"])}
+    return {**(GPU_ENVIRONMENT if on_gpu else {}), **environ, "VLLM_PLUGINS": ",".join(named or ["xmix_lens"])}
 
 
 def serve(args) -> None:
     import psutil
     import torch
 
-    command, said = serve_command(args.config, args.vllm_args, on_cpu=not torch.cuda.is_available(),
+    on_gpu = torch.cuda.is_available()
+    command, said = serve_command(args.config, args.vllm_args, on_cpu=not on_gpu,
                                   available_memory=psutil.virtual_memory().available)
     print(said, flush=True)
     print(" ".join(command), flush=True)
-    os.execve(command[0], command, serve_environment(os.environ))
+    os.execve(command[0], command, serve_environment(os.environ, on_gpu))
 
 
 def main(argv=None) -> None:

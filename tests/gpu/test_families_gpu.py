@@ -1,10 +1,10 @@
 """GPU only (vllm 0.26.0): each family beyond Llama and GPT-2 at a real model's shape, dummy bf16 weights,
 in a compiled engine with CUDA graphs and two apps built in (a steering write and a probe read).
 
-Not collected by CI (pyproject ignores tests/gpu). Run there, a comma-separated subset of FAMILY_SHAPES
-per call if the ten-minute limit needs it (each engine compiles its own graph), as:
-    XMIX_GPU_MODEL=.gpumodel8b XMIX_GPU_FAMILIES=qwen3-8b,qwen2.5-7b XMIX_GPU_OUT=$OUT \
-        python3 -m pytest -q tests/gpu/test_families_gpu.py -o addopts=""
+Not collected by CI (pyproject ignores tests/gpu). Run there one process per family (an engine gives
+its GPU memory back only when its process exits), after `. .gpu/bin/env.sh`:
+    bash scripts/gpu_families.sh qwen3-8b gemma-2-9b ...
+which runs, per family, XMIX_GPU_FAMILIES=<name> python3 -m pytest -q tests/gpu/test_families_gpu.py -o addopts="".
 Each config folder is written here from the shapes below with XMIX_GPU_MODEL's tokenizer files.
 Checked per family: the engine starts compiled with CUDA graphs; generate with both apps chosen runs
 no step outside the graphs (their launches captured); the probe reads the steer at the prompt's end; a hooked run_with_cache gives finite activations of TransformerLens's shapes. The
@@ -77,6 +77,10 @@ def config_folder(name: str, root) -> str:
     return str(folder)
 
 
+def moe(name: str) -> bool:
+    return "num_experts" in FAMILY_SHAPES[name][2]
+
+
 @pytest.fixture(scope="module", params=CHOSEN)
 def engine(request, tmp_path_factory):
     import time
@@ -127,7 +131,8 @@ def test_the_family_serves_its_apps_inside_cuda_graphs(engine):
 def test_a_hooked_cache_has_transformer_lens_shapes(engine):
     name, model, _, _ = engine
     cfg = model.cfg
-    names = ["blocks.0.hook_resid_pre", "blocks.0.attn.hook_q", "blocks.0.attn.hook_pattern", "blocks.1.mlp.hook_post",
+    mlp = "blocks.1.mlp.hook_in" if moe(name) else "blocks.1.mlp.hook_post"  # a mixture has no single hidden layer
+    names = ["blocks.0.hook_resid_pre", "blocks.0.attn.hook_q", "blocks.0.attn.hook_pattern", mlp,
              "ln_final.hook_normalized"]
     logits, cache = model.run_with_cache(PROMPTS[:1], names_filter=names)
     P = model.to_tokens(PROMPTS[:1]).shape[1]
@@ -136,5 +141,5 @@ def test_a_hooked_cache_has_transformer_lens_shapes(engine):
                    finite=all(bool(torch.isfinite(cache[n]).all()) for n in names))
     assert shapes["blocks.0.attn.hook_q"] == [1, P, cfg.n_heads, cfg.d_head]
     assert shapes["blocks.0.attn.hook_pattern"] == [1, cfg.n_heads, P, P]
-    assert shapes["blocks.1.mlp.hook_post"] == [1, P, cfg.d_mlp]
+    assert shapes[mlp] == [1, P, cfg.d_model if moe(name) else cfg.d_mlp]
     assert logits.device.type == "cuda" and all(torch.isfinite(cache[n]).all() for n in names)

@@ -197,7 +197,7 @@ def test_bad_rows_become_error_records_and_the_rest_run(engine, tmp_path):
             assert {k: v for k, v in record.items() if k != "line"} == {k: v for k, v in twin.items() if k != "line"}
 
 
-def test_bad_runs_are_refused_before_any_row(engine, tmp_path):
+def test_bad_runs_are_refused_before_any_row(engine, config, tmp_path):
     rows = [{"id": 1, "prompt": "x"}]
     for sweep, expected in [("nope.coef=1", "no app named 'nope'"), ("probe.coef=1", "declares no request parameter"),
                             ("steer.coef=9", "outside its bounds"), ("steer.coef", "app.param=value"),
@@ -212,6 +212,16 @@ def test_bad_runs_are_refused_before_any_row(engine, tmp_path):
         evaluate(engine, rows, tmp_path / "kept.jsonl", progress=False)
     assert (tmp_path / "kept.jsonl").read_text() == '{"id": 0}\n'
     assert Sweep.parse("joy.scale=0,1.5") == Sweep("joy", "scale", [0.0, 1.5])
+    # data parallelism builds engines of its own: refused with a built model, checked before any starts
+    with pytest.raises(ValueError, match="builds 2 engines"):
+        evaluate(engine, rows, tmp_path / "never.jsonl", progress=False, data_parallel_size=2)
+    with pytest.raises(ValueError, match="at least 1"):
+        evaluate(str(tiny_llama()), rows, tmp_path / "never.jsonl", progress=False, data_parallel_size=0)
+    for given, expected in [(str(config), "no app named 'nope'"), (None, "needs an app config")]:
+        with pytest.raises(ValueError, match=expected):
+            evaluate(str(tiny_llama()), rows, tmp_path / "never.jsonl", sweep=["nope.coef=1"], progress=False,
+                     data_parallel_size=2, config=given)
+    assert not (tmp_path / "never.jsonl").exists()
 
 
 def cli(*args) -> list[str]:
@@ -233,11 +243,34 @@ def wait_for_records(path, at_least: int, process, timeout: float = 300) -> None
     raise TimeoutError(f"fewer than {at_least} records in {timeout} s")
 
 
+def test_data_parallel_engines_get_devices_of_their_own(monkeypatch):
+    """Each engine's environment: on the CPU its share of the cores (vLLM's per-TP-rank lists), on
+    GPUs its own tensor_parallel_size of them; too few GPUs refused before any engine starts."""
+    from xmix_lens.evaluation import EngineRecipe
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    bind = "VLLM_CPU_OMP_THREADS_BIND"
+    assert EngineRecipe("m", None, {}).ranks(2) == [{bind: "0,1"}, {bind: "2,3"}]
+    assert EngineRecipe("m", None, {"tensor_parallel_size": 2}).ranks(2) == [{bind: "0|1"}, {bind: "2|3"}]
+    assert EngineRecipe("m", None, {}).ranks(5) == [{}] * 5  # fewer cores than engines: shared
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert EngineRecipe("m", None, {"tensor_parallel_size": 2}).ranks(2) == [
+        {"CUDA_VISIBLE_DEVICES": "0,1"}, {"CUDA_VISIBLE_DEVICES": "2,3"}]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,7")
+    assert EngineRecipe("m", None, {}).ranks(2) == [{"CUDA_VISIBLE_DEVICES": "5"}, {"CUDA_VISIBLE_DEVICES": "7"}]
+    with pytest.raises(ValueError, match="need 4 GPUs; 2 are visible"):
+        EngineRecipe("m", None, {"tensor_parallel_size": 2}).ranks(2)
+
+
 def test_interrupted_runs_resume_to_the_uninterrupted_result(config, tmp_path):
     """A real `xmix-lens eval` process stopped by SIGINT (Ctrl-C) and later by SIGKILL, resumed each
-    time: every record once, equal to an uninterrupted run of the same command (an eager engine, as
-    the command asks: against the compiled engine, whose rounding differs, one token of the 115,200
-    differed once, likely a greedy near-tie)."""
+    time, the last time over two data-parallel engines (`--data-parallel-size 2`, each in a process
+    of its own on its own core): every record once, equal to an uninterrupted run of the same command
+    on one engine (eager engines, as the command asks: against the compiled engine, whose rounding
+    differs, one token of the 115,200 differed once, likely a greedy near-tie)."""
     rows = [{"id": f"r{i}", "prompt": f"{PROMPTS[i % 4]} {i}", "apps": [["steer"], ["probe"], []][i % 3],
              "max_new_tokens": 48} for i in range(1200)]  # long enough that no run ends before its signal
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -258,9 +291,12 @@ def test_interrupted_runs_resume_to_the_uninterrupted_result(config, tmp_path):
     second.communicate(timeout=60)
     with open(out, "a") as f:  # as if the kill had cut a record short
         f.write('{"id": "r1", "line": 2, "sweep": {"gate.ga')
-    third = subprocess.run(command + ["--resume"], env=cli_environment(), capture_output=True, text=True, timeout=600)
+    third = subprocess.run(command + ["--resume", "--data-parallel-size", "2"], env=cli_environment(),
+                           capture_output=True, text=True, timeout=600)
     assert third.returncode == 0, third.stderr[-3000:]
     assert "already in" in third.stdout
+    per_engine = re.search(r"over 2 engines \((\d+)/(\d+) records\)", third.stdout)
+    assert per_engine and all(int(n) > 0 for n in per_engine.groups()), third.stdout  # both engines served rows
     records = [json.loads(line) for line in out.read_text().splitlines()]
     keys = [(r["id"], r["sweep"]["gate.gain"]) for r in records]
     assert len(keys) == len(set(keys)) == 2400 and not any("error" in r for r in records)

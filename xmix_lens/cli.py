@@ -100,19 +100,26 @@ def load_apps(spec: str):
 def export(args) -> None:
     """Apps from `module:attribute` (a list of Apps, or a function of the model returning one),
     built on the model, written as an app config."""
+    names = export_apps(args.model, args.apps, args.out)
+    print(f"wrote {args.out}: {', '.join(names)}")
+
+
+def export_apps(model_name: str, apps_spec: str, out: str) -> list[str]:
     from . import HookedTransformer
 
-    apps = load_apps(args.apps)
-    model = HookedTransformer.from_pretrained(args.model, enforce_eager=True, max_model_len=256)
+    apps = load_apps(apps_spec)
+    model = HookedTransformer.from_pretrained(model_name, enforce_eager=True, max_model_len=256)
     apps = apps(model) if callable(apps) else apps
-    print(f"wrote {model.export(apps, args.out)}: {', '.join(app.name for app in apps)}")
+    model.export(apps, out)
+    return [app.name for app in apps]
 
 
 def evaluate(args) -> None:
     """Rows of a JSONL file through the model with their apps (xmix_lens/evaluate.py)."""
-    from . import app_config, evaluation
+    import multiprocessing
+
+    from . import evaluation
     from .model import HookedTransformer
-    from .model_files import resolve_model
 
     if args.config and args.apps:
         raise SystemExit("eval takes --config (an exported app config) or --apps (apps from Python), not both")
@@ -126,40 +133,40 @@ def evaluate(args) -> None:
         evaluation.sweep_points(sweeps)
     except ValueError as e:
         raise SystemExit(str(e)) from None
-
-    def check_sweeps(config) -> None:
-        declared = {spec.name: {p.name: (p.minimum, p.maximum) for p in spec.params}
-                    for spec, _ in app_config.read(config, resolve_model(args.model))}
+    # only the apps' hook points armed, as `vllm serve` arms a config's: every other site would
+    # cost time in each step that runs outside CUDA graphs (bench/results/*-gpu-eval-throughput*.json)
+    engine_args = {"enforce_eager": args.eager, "max_model_len": args.max_model_len}
+    with tempfile.TemporaryDirectory(prefix="xmix-eval-") as folder:
+        built, config = None, args.config
         try:
-            for sweep in sweeps:
-                sweep.check(declared)
-        except ValueError as e:
+            if args.apps and args.data_parallel_size == 1:
+                # one engine: the apps are built on it, then exported and installed from the export, so
+                # that they and their request params run as a served config's do (after its start: their
+                # steps run without CUDA graphs; for a long run on a GPU, export them and pass --config)
+                built = HookedTransformer.from_pretrained(args.model, **engine_args)
+                apps = load_apps(args.apps)
+                config = built.export(apps(built) if callable(apps) else apps, os.path.join(folder, "apps"))
+                evaluation.check_sweeps(sweeps, evaluation.EngineRecipe(args.model, str(config), {}))
+                built.install_config(config)
+            elif args.apps:  # exported first, in a process of its own (its engine's memory goes with it),
+                # then built into every engine's CUDA graphs
+                config = os.path.join(folder, "apps")
+                exporting = multiprocessing.get_context("spawn").Process(target=export_apps,
+                                                                           args=(args.model, args.apps, config))
+                exporting.start()
+                exporting.join()
+                if exporting.exitcode != 0:
+                    raise SystemExit(f"--apps {args.apps}: exporting the apps failed (its error is above)")
+            summary = evaluation.evaluate(built if built is not None else args.model, args.input, args.output, sweeps, resume=args.resume,
+                                          progress=not args.no_progress, max_new_tokens=args.max_new_tokens,
+                                          temperature=args.temperature, seed=args.seed,
+                                          data_parallel_size=args.data_parallel_size,
+                                          **({} if built is not None else {"config": config, "engine_args": engine_args}))
+        except KeyboardInterrupt:
+            print(f"\ninterrupted: every finished record is in {args.output}; continue with --resume", file=sys.stderr)
+            raise SystemExit(130) from None
+        except ValueError as e:  # a sweep the config does not declare, too few devices
             raise SystemExit(str(e)) from None
-
-    if not args.apps:
-        if args.config:  # sweeps checked against the config before the engine starts
-            check_sweeps(args.config)
-        # only the apps' hook points armed, as `vllm serve` arms a config's: every other site would
-        # cost time in each step that runs outside CUDA graphs (bench/results/*-gpu-eval-throughput*.json)
-        model = HookedTransformer.from_pretrained(args.model, enforce_eager=args.eager, config=args.config, armed=(),
-                                                  max_model_len=args.max_model_len)
-    else:  # one engine: the apps are built on it, then exported and installed from the export, so that
-        # they and their request params run as a served config's do (after its start: their steps run
-        # without CUDA graphs; for a long run on a GPU, export them and pass --config)
-        apps = load_apps(args.apps)
-        model = HookedTransformer.from_pretrained(args.model, enforce_eager=args.eager,
-                                                  max_model_len=args.max_model_len)
-        with tempfile.TemporaryDirectory(prefix="xmix-eval-") as folder:
-            config = model.export(apps(model) if callable(apps) else apps, os.path.join(folder, "apps"))
-            check_sweeps(config)
-            model.install_config(config)
-    try:
-        summary = evaluation.evaluate(model, args.input, args.output, sweeps, resume=args.resume,
-                                      progress=not args.no_progress, max_new_tokens=args.max_new_tokens,
-                                      temperature=args.temperature, seed=args.seed)
-    except KeyboardInterrupt:
-        print(f"\ninterrupted: every finished record is in {args.output}; continue with --resume", file=sys.stderr)
-        raise SystemExit(130) from None
     print(summary)
 
 
@@ -298,6 +305,8 @@ def main(argv=None) -> None:
     v.add_argument("--seed", type=int, default=0, help="sampling rows without a seed of their own get one from it")
     v.add_argument("--max-model-len", type=int, default=2048)
     v.add_argument("--eager", action="store_true", help="vLLM enforce_eager (faster start, slower runs)")
+    v.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+                   help="N engines, each on its own GPU (its own CPU cores on the CPU), rows spread over them")
     v.add_argument("--no-progress", action="store_true", help="no progress bar")
     p = sub.add_parser("plot", help="a swept parameter's curves from an eval results file, as a PNG")
     p.add_argument("results", help="an xmix-lens eval output (JSONL)")

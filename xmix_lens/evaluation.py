@@ -21,6 +21,7 @@ import hashlib
 import itertools
 import json
 import math
+import os
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -44,6 +45,7 @@ class Summary:
     records: int = 0
     errors: int = 0
     resumed: int = 0  # records already in the output, skipped
+    per_engine: list[int] = field(default_factory=list)  # records each data-parallel engine wrote
     prompt_tokens: int = 0
     generated_tokens: int = 0
     seconds: float = 0.0
@@ -52,6 +54,8 @@ class Summary:
         rate = self.records / self.seconds if self.seconds else 0.0
         return (f"{self.records} records ({self.errors} errors) from {self.rows} rows in {self.seconds:.1f} s "
                 f"({rate:.1f} records/s); {self.prompt_tokens} prompt and {self.generated_tokens} generated tokens"
+                + (f" over {len(self.per_engine)} engines ({'/'.join(map(str, self.per_engine))} records)"
+                   if self.per_engine else "")
                 + (f"; {self.resumed} already in {self.output}, skipped" if self.resumed else "")
                 + f"; written to {self.output}")
 
@@ -282,74 +286,278 @@ class Evaluation:
 
 
 def evaluate(model, input, output, sweep: Iterable[str | Sweep] = (), resume: bool = False, progress: bool = True,
-             max_new_tokens: int = 16, temperature: float = 0.0, seed: int = 0, in_flight: int | None = None) -> Summary:
+             max_new_tokens: int = 16, temperature: float = 0.0, seed: int = 0, in_flight: int | None = None,
+             data_parallel_size: int = 1, config: str | None = None, engine_args: dict | None = None) -> Summary:
     """Run every row of `input` (a JSONL path, or an iterable of row dicts) under each sweep point on
     `model` (a HookedServedModel; its installed apps are what rows choose) and append one record
     per row and point to `output` (JSONL). See the module's docstring and the user guide.
 
     For speed build the model as `xmix-lens eval` does, with only its apps' hook points armed:
     `from_pretrained(path, config=DIR, armed=())`. A research engine (every hook point armed, the
-    default) runs the same rows 0.8x as fast on a GPU where steps exceed its CUDA graphs' sizes."""
-    run = Evaluation(model, sweep, max_new_tokens, temperature, seed, in_flight)
+    default) runs the same rows 0.8x as fast on a GPU where steps exceed its CUDA graphs' sizes.
+
+    `data_parallel_size=N` spreads the rows over N engines, each built in a process of its own on its
+    own GPUs (its own CPU cores on the CPU) as `xmix-lens eval` builds one: `model` is then the model's
+    name or folder, `config` the app config every engine installs, `engine_args` from_pretrained's other
+    keywords (tensor_parallel_size: GPUs per engine). Rows go to whichever engine has room; the records
+    are those one engine writes (each row's sampling seed is its own), appended here as they finish."""
     output = Path(output)
-    done = _resume(output) if resume else set()
     if not resume and output.exists() and output.stat().st_size:
         raise FileExistsError(f"{output} exists and is not empty: pass resume=True (--resume) to continue it, or "
                               f"write to another file")
+    sweeps = [s if isinstance(s, Sweep) else Sweep.parse(s) for s in sweep]
+    settings = dict(sweep=sweeps, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                    in_flight=in_flight)
+    built = not isinstance(model, (str, Path))
+    if isinstance(data_parallel_size, bool) or not isinstance(data_parallel_size, int) or data_parallel_size < 1:
+        raise ValueError(f"data_parallel_size={data_parallel_size!r}: a whole number of engines, at least 1")
+    if built and (config is not None or engine_args):
+        raise ValueError("config= and engine_args= build engines: with a built model, install the config with "
+                         "model.install_config(DIR) instead")
+    if data_parallel_size > 1 and built:
+        raise ValueError(f"data_parallel_size={data_parallel_size} builds {data_parallel_size} engines, each in a "
+                         f"process of its own: pass the model's name or folder (and config=, engine_args=) "
+                         f"instead of a built model")
+    recipe = EngineRecipe(str(model), config, dict(engine_args or {})) if not built else None
+    if recipe is not None:
+        check_sweeps(sweeps, recipe)  # before any engine starts
+        ranks = recipe.ranks(data_parallel_size)  # enough devices for every engine, or a clear error
+    if data_parallel_size == 1:
+        model = model if built else recipe.build()
+        run = Evaluation(model, **settings)
+        points = run.points
+    else:
+        points = sweep_points(sweeps)
+    done = _resume(output) if resume else set()
     summary = Summary(str(output), resumed=0)
-    total = (_count_rows(input) * len(run.points) - len(done)) if isinstance(input, (str, Path)) else None
-    with model.lock, open(output, "a", encoding="utf-8") as out, _progress(progress, total) as bar:
+    total = (_count_rows(input) * len(points) - len(done)) if isinstance(input, (str, Path)) else None
+    with open(output, "a", encoding="utf-8") as out, _progress(progress, total) as bar:
         started = time.perf_counter()
 
-        def write(record: dict) -> None:
+        def write(record: dict, prompt_tokens: int = 0, generated_tokens: int = 0) -> None:
             out.write(json.dumps(record) + "\n")
             out.flush()
             summary.records += 1
             summary.errors += "error" in record
+            summary.prompt_tokens += prompt_tokens
+            summary.generated_tokens += generated_tokens
             summary.seconds = time.perf_counter() - started
             bar.update(1)
             bar.set_postfix_str(f"{(summary.prompt_tokens + summary.generated_tokens) / summary.seconds:.0f} tok/s",
                                 refresh=False)
 
-        waiting: dict[str, tuple[_Job, str]] = {}  # request key -> (job, role)
+        if data_parallel_size == 1:
+            with model.lock:
+                _serve_rows(model, run, _pending(input, points, done, summary, write), write)
+        else:
+            def ready() -> None:  # rows/s from the engines ready, as one engine's run counts after its build
+                nonlocal started
+                started = time.perf_counter()
 
-        def requests() -> Iterator:
-            seen: dict[str, int] = {}  # id -> the line that used it
-            for line, row in _rows(input):
-                summary.rows += 1
-                row_id = row.get("id") if isinstance(row, dict) else None
-                id_key = json.dumps(row_id) if isinstance(row_id, (str, int)) else f"line {line}"
-                for point in run.points:
-                    if (id_key, json.dumps(point, sort_keys=True)) in done:
-                        summary.resumed += 1
-                        continue
-                    try:
-                        if isinstance(row, RowError):
-                            raise row
-                        if id_key in seen and seen[id_key] != line:
-                            raise RowError(f"id {row_id!r} was used by line {seen[id_key]}: ids name a row's records "
-                                           f"and let --resume skip them, so they must be unique")
-                        seen[id_key] = line
-                        job, served = run.jobs(row, line, point)
-                    except RowError as e:
-                        write({"id": row_id, "line": line, **({"sweep": point} if point != {} else {}),
-                               "error": str(e)})
-                        continue
-                    for role, request in served:
-                        job.waiting.add(request.key)
-                        waiting[request.key] = (job, role)
-                        yield request
+            summary.per_engine = [0] * data_parallel_size
 
-        for served in model.engine.serve(requests(), run.in_flight):
-            job, role = waiting.pop(served.key)
-            job.results[role] = served
-            job.waiting.discard(served.key)
-            summary.prompt_tokens += served.prompt_tokens
-            summary.generated_tokens += len(served.tokens) if job.kind == "generate" else 0
-            if not job.waiting:
-                write(run.finish(job))
+            def write_from(rank: int, record: dict, *tokens: int) -> None:
+                if rank >= 0:  # not an error record found while reading
+                    summary.per_engine[rank] += 1
+                write(record, *tokens)
+
+            _serve_rows_in_parallel(recipe, ranks, settings,
+                                    lambda write_error: _pending(input, points, done, summary, write_error),
+                                    write_from, ready)
         summary.seconds = time.perf_counter() - started
     return summary
+
+
+@dataclass
+class EngineRecipe:
+    """How `xmix-lens eval` builds an engine: the model's name or folder, the app config it installs
+    (only its apps' hook points armed), from_pretrained's other keywords."""
+
+    model: str
+    config: str | None
+    engine_args: dict
+
+    def build(self):
+        from .model import HookedTransformer
+
+        return HookedTransformer.from_pretrained(self.model, config=self.config, armed=(), **self.engine_args)
+
+    def ranks(self, n: int) -> list[dict[str, str]]:
+        """Each engine's environment: its GPUs (CUDA_VISIBLE_DEVICES, tensor_parallel_size of them), or
+        on the CPU its share of this process's cores (vLLM's VLLM_CPU_OMP_THREADS_BIND, one list per
+        TP rank), so that N engines do not run on the same ones."""
+        import torch
+
+        tp = int(self.engine_args.get("tensor_parallel_size", self.engine_args.get("n_devices", 1)))
+        if n == 1:
+            return [{}]
+        if torch.cuda.is_available():
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            devices = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+            if len(devices) < n * tp:
+                raise ValueError(f"data_parallel_size={n} engines of tensor_parallel_size={tp} need {n * tp} GPUs; "
+                                 f"{len(devices)} are visible: lower data_parallel_size")
+            return [{"CUDA_VISIBLE_DEVICES": ",".join(devices[r * tp:(r + 1) * tp])} for r in range(n)]
+        cores = sorted(os.sched_getaffinity(0))
+        per_rank = len(cores) // (n * tp)
+        if per_rank == 0:  # fewer cores than ranks: they share them, as vLLM's own binding would
+            return [{} for _ in range(n)]
+        lists = [",".join(map(str, cores[i * per_rank:(i + 1) * per_rank])) for i in range(n * tp)]
+        return [{"VLLM_CPU_OMP_THREADS_BIND": "|".join(lists[r * tp:(r + 1) * tp])} for r in range(n)]
+
+
+def check_sweeps(sweeps: list[Sweep], recipe: EngineRecipe) -> None:
+    """Each sweep names an app of the recipe's config and a parameter it declares (before any engine)."""
+    from . import app_config
+    from .model_files import resolve_model
+
+    if not sweeps:
+        return
+    if recipe.config is None:
+        raise ValueError(f"the sweep {sweeps[0].app}.{sweeps[0].param} needs an app config (config=, --config)")
+    declared = {spec.name: {p.name: (p.minimum, p.maximum) for p in spec.params}
+                for spec, _ in app_config.read(recipe.config, resolve_model(recipe.model))}
+    for s in sweeps:
+        s.check(declared)
+
+
+def _pending(input, points: list[dict], done: set, summary: Summary, write) -> Iterator[tuple[int, object, dict]]:
+    """(line, row, sweep point) of every row and point not already in the output, read lazily. A line
+    that is not JSON, and a row whose id another line used, are written as error records here."""
+    seen: dict[str, int] = {}  # id -> the line that used it
+    for line, row in _rows(input):
+        summary.rows += 1
+        row_id = row.get("id") if isinstance(row, dict) else None
+        id_key = json.dumps(row_id) if isinstance(row_id, (str, int)) else f"line {line}"
+        for point in points:
+            if (id_key, json.dumps(point, sort_keys=True)) in done:
+                summary.resumed += 1
+                continue
+            if isinstance(row, RowError):
+                write(_error_record(row_id, line, point, row))
+            elif id_key in seen and seen[id_key] != line:
+                write(_error_record(row_id, line, point, RowError(
+                    f"id {row_id!r} was used by line {seen[id_key]}: ids name a row's records and let --resume "
+                    f"skip them, so they must be unique")))
+            else:
+                seen[id_key] = line
+                yield line, row, point
+
+
+def _error_record(row_id, line: int, point: dict, error: RowError) -> dict:
+    return {"id": row_id, "line": line, **({"sweep": point} if point != {} else {}), "error": str(error)}
+
+
+def _serve_rows(model, run: Evaluation, items: Iterable[tuple[int, object, dict]], write) -> None:
+    """Rows through one engine as a server's requests; `write(record, prompt_tokens, generated_tokens)`
+    as each row finishes."""
+    waiting: dict[str, tuple[_Job, str]] = {}  # request key -> (job, role)
+    tokens: dict[int, list[int]] = {}  # id(job) -> [prompt, generated]
+
+    def requests() -> Iterator:
+        for line, row, point in items:
+            try:
+                job, served = run.jobs(row, line, point)
+            except RowError as e:
+                write(_error_record(row.get("id") if isinstance(row, dict) else None, line, point, e))
+                continue
+            tokens[id(job)] = [0, 0]
+            for role, request in served:
+                job.waiting.add(request.key)
+                waiting[request.key] = (job, role)
+                yield request
+
+    for served in model.engine.serve(requests(), run.in_flight):
+        job, role = waiting.pop(served.key)
+        job.results[role] = served
+        job.waiting.discard(served.key)
+        counts = tokens[id(job)]
+        counts[0] += served.prompt_tokens
+        counts[1] += len(served.tokens) if job.kind == "generate" else 0
+        if not job.waiting:
+            write(run.finish(job), *tokens.pop(id(job)))
+
+
+def _serve_rows_in_parallel(recipe: EngineRecipe, ranks: list[dict], settings: dict, pending, write, ready) -> None:
+    """Rows over len(ranks) engines, each built by `recipe` in a process of its own with its rank's
+    environment. `pending(write_error)` gives the rows. A feeding thread puts them on one bounded queue that every engine takes from
+    (an engine with room takes the next row: none waits on a slower one, memory stays flat); records
+    come back on another and are written here, by this thread alone, as they finish
+    (`write(rank, record, prompt_tokens, generated_tokens)`, rank -1 for errors found while reading);
+    `ready()` once every engine is built: rows flow from then, so that none takes the first rows alone."""
+    import multiprocessing
+    import queue
+    import threading
+
+    context = multiprocessing.get_context("spawn")  # a fresh interpreter: no CUDA or vLLM state inherited
+    rows, results = context.Queue(maxsize=64 * len(ranks)), context.Queue()
+    # not daemons: an engine of several GPUs starts worker processes of its own
+    engines = [context.Process(target=_engine_rank, args=(rank, env, recipe, settings, rows, results))
+               for rank, env in enumerate(ranks)]
+    for engine in engines:
+        engine.start()
+
+    all_built = threading.Event()
+
+    def feed() -> None:
+        all_built.wait()
+        # error records found while reading go back through the results queue: one thread writes
+        for item in pending(lambda record: results.put(("record", -1, record, 0, 0))):
+            rows.put(item)
+        for _ in engines:
+            rows.put(None)
+
+    feeding = threading.Thread(target=feed, daemon=True)
+    feeding.start()
+    finished, built = 0, 0
+    try:
+        while finished < len(engines):
+            try:
+                message = results.get(timeout=1.0)
+            except queue.Empty:
+                stopped = [r for r, e in enumerate(engines) if e.exitcode not in (None, 0)]
+                if stopped:
+                    raise RuntimeError(f"data-parallel engine {stopped[0]} stopped (exit code "
+                                       f"{engines[stopped[0]].exitcode}); the finished records are written: "
+                                       f"continue with resume") from None
+                continue
+            kind = message[0]
+            if kind == "record":
+                write(*message[1:])
+            elif kind == "ready":
+                built += 1
+                if built == len(engines):
+                    ready()
+                    all_built.set()
+            elif kind == "done":
+                finished += 1
+            else:  # "failed": the rank's traceback
+                raise RuntimeError(f"data-parallel engine {message[1]} failed; the finished records are written: "
+                                   f"continue with resume.\n{message[2]}")
+    finally:
+        for engine in engines:
+            if engine.is_alive() and finished < len(engines):
+                engine.terminate()
+            engine.join()
+
+
+def _engine_rank(rank: int, env: dict, recipe: EngineRecipe, settings: dict, rows, results) -> None:
+    """One data-parallel engine's process: built with its rank's devices, it serves rows from the
+    shared queue until the end marker and sends each record back."""
+    import traceback
+
+    os.environ.update(env)
+    try:
+        model = recipe.build()
+        run = Evaluation(model, **settings)
+        results.put(("ready", rank))
+        with model.lock:
+            _serve_rows(model, run, iter(rows.get, None),
+                        lambda record, *tokens: results.put(("record", rank, record, *tokens)))
+        results.put(("done", rank))
+        model.shutdown()
+    except BaseException:
+        results.put(("failed", rank, traceback.format_exc()))
 
 
 def _rows(input) -> Iterator[tuple[int, dict | RowError]]:

@@ -26,10 +26,9 @@ import torch
 
 from bench import write_result
 from xmix_lens import App
-from xmix_lens.model import IN_PROCESS_ENVIRONMENT
+from xmix_lens.model import in_process_environment
 
-for _name, _value in IN_PROCESS_ENVIRONMENT.items():
-    os.environ.setdefault(_name, _value)
+in_process_environment()
 
 MODES = ["native", "eval_none", "eval_steer", "xmix_generate"]
 

@@ -58,11 +58,10 @@ from bench import write_result
 from bench.kernels import renormalized_sites, resident_kernel_times
 from xmix_lens import App
 from xmix_lens.backend.control import HostTime
-from xmix_lens.model import IN_PROCESS_ENVIRONMENT
+from xmix_lens.model import in_process_environment
 
 # every engine here in-process, the native baseline too, as from_pretrained sets it for its own
-for _name, _value in IN_PROCESS_ENVIRONMENT.items():
-    os.environ.setdefault(_name, _value)
+in_process_environment()
 
 WORKLOADS = {"decode": (32, 128, 256), "gpu": (256, 128, 128), "throughput": (512, 256, 128)}
 TOY_WORKLOADS = {"decode": (3, 12, 6)}
@@ -73,7 +72,8 @@ MODES = ["native", "native_twin", "installed_idle", "armed_idle", "steer", "seve
 def seven_apps(cfg, steer_std: float = 0.05) -> tuple[list[App], torch.Tensor]:
     """Seven apps over the model's layers: five writes (one conditional), two reads (into
     `app.outputs`, so that they can be exported and served); and the steering vector of the first
-    (the eager engine's forward hook adds the same), of `steer_std` per feature."""
+    (the eager engine's forward hook adds the same), of `steer_std` per feature. A mixture of experts
+    has no single MLP hidden layer (no `mlp.hook_post`): its MLP scale is on the block's output."""
     g = torch.Generator().manual_seed(0)
     L, d = cfg.n_layers, cfg.d_model
     v = torch.randn(d, generator=g) * steer_std
@@ -88,6 +88,8 @@ def seven_apps(cfg, steer_std: float = 0.05) -> tuple[list[App], torch.Tensor]:
     def ablate_head(act, hook):
         act[:, :, 0] = 0.0
 
+    mlp_point = "hook_mlp_out" if getattr(cfg, "num_experts", None) else "mlp.hook_post"
+
     probe_read, sae_features = App("probe_read"), App("sae_features")
     probe_read.fwd_hooks = [(f"blocks.{at(0.9)}.hook_resid_post",
                              lambda act, hook: probe_read.outputs.__setitem__("score", act @ probe))]
@@ -100,7 +102,7 @@ def seven_apps(cfg, steer_std: float = 0.05) -> tuple[list[App], torch.Tensor]:
         "conditional_steer": [(f"blocks.{at(0.25)}.hook_resid_post",
                                lambda act, hook: act + torch.relu(act @ u)[..., None] * v)],
         "head_ablation": [(f"blocks.{at(0.3)}.attn.hook_z", ablate_head)],
-        "mlp_scale": [(f"blocks.{at(0.5)}.mlp.hook_post", lambda act, hook: act * 1.05)],
+        "mlp_scale": [(f"blocks.{at(0.5)}.{mlp_point}", lambda act, hook: act * 1.05)],
     }
     return [App(n, fwd_hooks=h) for n, h in writes.items()] + [probe_read, sae_features], v
 

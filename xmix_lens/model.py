@@ -103,7 +103,7 @@ class HookedServedModel(HookedRoot):
         """
         from transformers import AutoConfig
 
-        _in_process_environment()
+        in_process_environment()
         verbosity.before_engine()
         from .backend.vllm.engine import VllmEngine
 
@@ -948,7 +948,9 @@ def own_process_environment(environ=os.environ) -> dict:
     return {k: v for k, v in environ.items() if k not in IN_PROCESS_ENVIRONMENT and k != "VLLM_LOGGING_LEVEL"}
 
 
-def _in_process_environment() -> None:
+def in_process_environment() -> None:
+    """vLLM's settings for an engine in this process, on this machine's device (the user's own win); the
+    benches build their native engines under the same."""
     for name, value in {**IN_PROCESS_ENVIRONMENT, **(GPU_ENVIRONMENT if torch.cuda.is_available() else CPU_ENVIRONMENT)}.items():
         os.environ.setdefault(name, value)
 

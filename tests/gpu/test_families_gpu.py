@@ -5,15 +5,15 @@ Not collected by CI (pyproject ignores tests/gpu). Run there one process per fam
 its GPU memory back only when its process exits), after `. .gpu/bin/env.sh`:
     bash scripts/gpu_families.sh qwen3-8b gemma-2-9b ...
 which runs, per family, XMIX_GPU_FAMILIES=<name> python3 -m pytest -q tests/gpu/test_families_gpu.py -o addopts="".
-Each config folder is written here from the shapes below with XMIX_GPU_MODEL's tokenizer files.
+Each config folder is written by scripts/gpu_models.py's family_folder, with XMIX_GPU_MODEL's tokenizer files.
 Checked per family: the engine starts compiled with CUDA graphs; generate with both apps chosen runs
 no step outside the graphs (their launches captured); the probe reads the steer at the prompt's end; a hooked run_with_cache gives finite activations of TransformerLens's shapes. The
 tokens of the same hooks run per call (uncompiled, without graphs) are recorded beside the
 resident ones, not asserted: dummy weights give near ties that bf16 rounding decides.
 """
-import json
 import os
-import shutil
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,59 +22,15 @@ import xmix_lens  # noqa: F401  (its from_pretrained sets vLLM's environment for
 from gpu_results import Results
 from xmix_lens import HookedServedModel, apps
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+from gpu_models import FAMILY_SHAPES, family_folder  # noqa: E402  (the folders the GPU bench loads too)
+
 pytestmark = pytest.mark.gpu
 
-# transformers config class and the public model's shape (its config.json's sizes)
-FAMILY_SHAPES = {
-    "qwen3-8b": ("Qwen3Config", "Qwen3ForCausalLM", dict(
-        hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-        intermediate_size=12288, vocab_size=151936, tie_word_embeddings=False)),
-    "qwen2.5-7b": ("Qwen2Config", "Qwen2ForCausalLM", dict(
-        hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
-        intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False)),
-    "mistral-7b-v0.3": ("MistralConfig", "MistralForCausalLM", dict(
-        hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-        intermediate_size=14336, vocab_size=32768, sliding_window=None)),
-    "phi-3-mini": ("Phi3Config", "Phi3ForCausalLM", dict(
-        hidden_size=3072, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
-        intermediate_size=8192, vocab_size=32064, sliding_window=None)),
-    "gemma-2-9b": ("Gemma2Config", "Gemma2ForCausalLM", dict(
-        hidden_size=3584, num_hidden_layers=42, num_attention_heads=16, num_key_value_heads=8, head_dim=256,
-        intermediate_size=14336, vocab_size=256000, query_pre_attn_scalar=256, sliding_window=4096)),
-    "gemma-3-12b": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
-        hidden_size=3840, num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=8, head_dim=256,
-        intermediate_size=15360, vocab_size=262208, query_pre_attn_scalar=256, sliding_window=1024)),
-    "qwen3-30b-a3b": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
-        hidden_size=2048, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
-        intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
-        norm_topk_prob=True, vocab_size=151936, tie_word_embeddings=False)),
-    "pythia-6.9b": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(
-        hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, intermediate_size=16384,
-        vocab_size=50432, rotary_pct=0.25, use_parallel_residual=True, tie_word_embeddings=False)),
-}
 CHOSEN = [name for name in os.environ.get("XMIX_GPU_FAMILIES", ",".join(FAMILY_SHAPES)).split(",") if name]
 PROMPTS = ["The capital of France is", "Steering vectors move the residual stream of a model"]
 NEW = 12
 RESULTS = Results("families_gpu.json")
-
-
-def config_folder(name: str, root) -> str:
-    """A config folder of the family's shape, with XMIX_GPU_MODEL's tokenizer (its ids fit every vocabulary)."""
-    import transformers
-
-    config_class, arch, shape = FAMILY_SHAPES[name]
-    tokenizer_folder = os.environ.get("XMIX_GPU_MODEL", ".gpumodel8b")
-    tokens = json.load(open(os.path.join(tokenizer_folder, "config.json")))
-    config = getattr(transformers, config_class)(
-        **shape, max_position_embeddings=4096, bos_token_id=tokens["bos_token_id"],
-        eos_token_id=tokens["eos_token_id"], pad_token_id=tokens.get("pad_token_id", tokens["eos_token_id"]))
-    config.architectures = [arch]
-    folder = root / name
-    config.save_pretrained(folder)
-    for f in os.listdir(tokenizer_folder):
-        if f.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
-            shutil.copy(os.path.join(tokenizer_folder, f), folder / f)
-    return str(folder)
 
 
 def moe(name: str) -> bool:
@@ -85,7 +41,8 @@ def moe(name: str) -> bool:
 def engine(request, tmp_path_factory):
     import time
 
-    folder = config_folder(request.param, tmp_path_factory.mktemp("families"))
+    folder = str(family_folder(request.param, tmp_path_factory.mktemp("families"),
+                               Path(os.environ.get("XMIX_GPU_MODEL", ".gpumodel8b"))))
     shape = FAMILY_SHAPES[request.param][2]
     d, L = shape["hidden_size"], shape["num_hidden_layers"]
     direction = torch.randn(d, generator=torch.Generator().manual_seed(0))

@@ -63,13 +63,16 @@ def write(folder: Path, shape: dict, smollm2: Path) -> None:
             shutil.copy(f, folder / f.name)
 
 
-def family_folder(name: str, root: Path, tokenizer_folder: Path = ROOT / ".gpumodel8b") -> Path:
-    """A config folder of the family's shape under `root`, with `tokenizer_folder`'s tokenizer (its ids fit
-    every family's vocabulary). Written with the transformers of the machine that loads it."""
+def family_folder(name: str, root: Path, tokenizer_folder: Path = ROOT / ".gpumodel8b", layers: int | None = None) -> Path:
+    """A config folder of the family's shape under `root` (`layers` of its blocks where given), with
+    `tokenizer_folder`'s tokenizer (its ids fit every family's vocabulary). Written with the transformers
+    of the machine that loads it."""
     import transformers
 
     config_class, architecture, shape = FAMILY_SHAPES[name]
     tokens = json.loads((tokenizer_folder / "config.json").read_text())
+    if layers:
+        shape = {**shape, "num_hidden_layers": layers}
     config = getattr(transformers, config_class)(
         **shape, max_position_embeddings=4096, bos_token_id=tokens["bos_token_id"],
         eos_token_id=tokens["eos_token_id"], pad_token_id=tokens.get("pad_token_id", tokens["eos_token_id"]))
@@ -85,10 +88,12 @@ def family_folder(name: str, root: Path, tokenizer_folder: Path = ROOT / ".gpumo
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--families", nargs="+", choices=sorted(FAMILY_SHAPES), help="write these under .gpufamilies/")
-    families = parser.parse_args().families
-    if families:
-        for name in families:
-            print(family_folder(name, ROOT / ".gpufamilies"))
+    parser.add_argument("--layers", type=int, help="with --families: the first LAYERS blocks only (two engines of a "
+                                                   "30B mixture side by side on one 80 GB card)")
+    args = parser.parse_args()
+    if args.families:
+        for name in args.families:
+            print(family_folder(name, ROOT / ".gpufamilies", layers=args.layers))
     else:
         from xmix_lens.model_files import ensure_smollm2
 

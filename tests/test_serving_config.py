@@ -398,3 +398,38 @@ def test_two_api_servers_check_choices_and_bring_each_client_its_reads(config, f
         assert two.output().count("xmix-lens: this API server takes app choices") == 2
     finally:
         two.stop()
+
+
+def test_data_parallel_engines_each_install_the_config_and_bring_each_client_its_reads(config, facade, tmp_path):
+    """`--data-parallel-size 2`: two engine cores, each with the config installed; vLLM spreads the
+    requests over them. Each client gets its own prompt's reads whichever engine served it (vLLM's
+    utility calls go to every engine and return the first one's answer: the fetch asks each), and
+    its steered tokens are the facade's."""
+    port, model = free_port(), str(tiny_llama())
+    command = [sys.executable, "-m", "xmix_lens.cli", "serve", str(config), "--", *vllm_args(model, port),
+               "--data-parallel-size", "2"]
+    two = Server(command, tmp_path / "dp.log", port)
+    try:
+        assert two.wait_ready(), two.output()[-3000:]
+        assert two.output().count("xmix-lens: installing apps ['steer', 'probe', 'gate']") == 2
+        prompts = [prompt_ids(facade, f"{PROMPTS[i % 2]} {'and so on ' * i}") for i in range(12)]
+
+        def probe_scores(ids):
+            out = two.client().completions.create(model=model, prompt=ids, max_tokens=2, temperature=0,
+                                                  extra_body={"vllm_xargs": {APPS_KEY: "probe"}})
+            return out.model_extra["xmix_reads"][0]["apps"]["probe"]["score"]
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            scores = list(pool.map(probe_scores, prompts))
+        for ids, score in zip(prompts, scores):
+            assert score["positions"] == [len(ids) - 1]
+            torch.testing.assert_close(torch.tensor(score["values"]), probe_oracle(facade, ids)[[len(ids) - 1]],
+                                       atol=1e-4, rtol=1e-4)
+        finished = metric(two, "vllm:request_success_total")  # vLLM's counts, by engine among their labels
+        per_engine = {e: sum(v for labels, v in finished.items() if f'engine="{e}"' in labels) for e in "01"}
+        assert all(n > 0 for n in per_engine.values()), per_engine  # both engines served reading requests
+        with ThreadPoolExecutor(4) as pool:  # at once: both engines serve some
+            steered = list(pool.map(lambda ids: two.complete(model, ids, {APPS_KEY: "steer"}), prompts[:4]))
+        assert steered == [facade_tokens(facade, ids, ["steer"]) for ids in prompts[:4]]
+    finally:
+        two.stop()

@@ -1,4 +1,5 @@
 """Everything that depends on vLLM's internals and versions (CPU 0.27.1, GPU 0.26.0) lives here."""
+import asyncio
 import contextlib
 import dataclasses
 import sys
@@ -77,6 +78,19 @@ def serve_reads(worker, runtime) -> None:
         return taken, runtime.reads_held, time.perf_counter() - started
 
     worker.xmix_take_reads = take_reads
+
+
+async def rpc_on_every_engine(engine_client, method: str, args: tuple) -> list:
+    """`collective_rpc(method, args=args)` on each engine core behind an API server: one answer (its
+    workers' list) an engine. Under data parallelism vLLM's own collective_rpc reaches every engine core
+    but returns the first one's answer (DPLBAsyncMPClient.call_utility_async), so each is asked with
+    the client's per-engine call."""
+    core = engine_client.engine_core
+    engines = getattr(core, "core_engines", ())
+    if len(engines) < 2:
+        return [await engine_client.collective_rpc(method, args=args)]
+    return await asyncio.gather(*(core._call_utility_async("collective_rpc", method, None, args, None, engine=e)
+                                  for e in engines))
 
 
 def bind_runner(runner, runtime=None):

@@ -41,6 +41,7 @@ from xmix_lens import app_config
 from xmix_lens.request_choice import asks_for_apps, chosen_apps, reads_wanted, salt
 
 from ..engine import reads_json
+from .adapter import rpc_on_every_engine
 
 logger = init_logger("vllm.xmix_lens")
 SALTED_PATHS = ("/v1/completions", "/v1/chat/completions")  # the requests whose cache_salt vLLM honours
@@ -246,8 +247,9 @@ class WithReads:
 
 class ReadFetcher:
     """An API server's fetches of finished requests' reads from the engine's workers (rank 0
-    answers): one collective RPC at a time (a utility call the engine core answers between steps)
-    carries every response waiting, and the requests to forget. A request with a step still on the
+    answers; under data parallelism each engine's, merged): one collective RPC at a time (a utility
+    call the engine core answers between steps) carries every response waiting, and the requests to
+    forget. A request with a step still on the
     device is asked for again after RETRY_S, and waited for (a drain) once asked for WAIT_S: the
     engine may have gone idle before that step's reads were queued home."""
 
@@ -283,8 +285,8 @@ class ReadFetcher:
             # a drain waits for the newest step: only for a finished request's last steps, never for a running one
             wait = any(time.monotonic() - self.waiting[a][1] > self.WAIT_S for a in asked if not self.waiting[a][2])
             try:
-                answers, held, seconds = (await self.engine.collective_rpc("xmix_take_reads",
-                                                                           args=(asked, forget, wait, early)))[0]
+                answers, held, seconds = engines_reads([workers[0] for workers in await rpc_on_every_engine(
+                    self.engine, "xmix_take_reads", (asked, forget, wait, early))])
             except Exception as e:  # the engine is gone: every response waiting says so
                 for future, *_ in self.waiting.values():
                     if not future.done():
@@ -301,6 +303,20 @@ class ReadFetcher:
                         future.set_result(reads)
             if set(self.waiting) <= set(asked) and not self.forgotten:  # none came meanwhile
                 await asyncio.sleep(self.RETRY_S)
+
+
+def engines_reads(answers: list[tuple[dict, int, float]]) -> tuple[dict, int, float]:
+    """One fetch's answer from each engine's (data parallelism: a request's prompts may land on any
+    engine; one that holds none of a request's prompts answers it with an empty list): a request's reads
+    are its prompts' from every engine, by prompt index, or None while any engine still computes some."""
+    if len(answers) == 1:
+        return answers[0]
+    merged = {}
+    for api_id in answers[0][0]:
+        parts = [taken[api_id] for taken, _, _ in answers]
+        merged[api_id] = None if any(p is None for p in parts) else sorted((r for p in parts for r in p),
+                                                                           key=lambda read: read[0])
+    return merged, sum(held for _, held, _ in answers), sum(seconds for _, _, seconds in answers)
 
 
 def _multipart(scope) -> bool:

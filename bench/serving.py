@@ -177,7 +177,8 @@ def _cfg(args):
     from transformers import AutoConfig
 
     hf = AutoConfig.from_pretrained(args.model)
-    return SimpleNamespace(n_layers=hf.num_hidden_layers, d_model=hf.hidden_size)
+    return SimpleNamespace(n_layers=hf.num_hidden_layers, d_model=hf.hidden_size,
+                           num_experts=getattr(hf, "num_experts", None))
 
 
 def _add_eager_steering_hook(llm, layer: int, v: torch.Tensor) -> None:

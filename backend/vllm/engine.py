@@ -57,6 +57,7 @@ class VllmEngine:
                 xmix_config["config"] = str(app_config.write(os.path.join(folder, "config"), model_dir,
                                                             [(name, 0, "", ops, {}, [(p, *v) for p, v in params.items()])
                                                              for name, ops, params in apps]))
+            adapter.keep_workspace()  # an engine built before this one keeps its scratch memory
             llm = LLM(model=str(model_dir), dtype=str(dtype).removeprefix("torch."), enforce_eager=enforce_eager,
                       max_model_len=max_model_len, skip_tokenizer_init=True,
                       additional_config={"xmix_lens": xmix_config}, **engine_kwargs)

@@ -126,6 +126,7 @@ class SiteRuntime:
         # the host, whence a TP worker's answer crosses to the driver
         self.reads_on_device = False
         self.model_runner = None  # bound by the facade: where the step's request order comes from
+        self.workspace = None  # vLLM's scratch workspace this engine's worker made (adapter.keep_workspace)
         # the platform kernels of vLLM's custom ops for an uncompiled step (adapter.PlatformKernels,
         # bound by the facade once the engine is up; a served engine runs no uncompiled step)
         self.uncompiled_kernels = contextlib.nullcontext

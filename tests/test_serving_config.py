@@ -369,6 +369,25 @@ def test_clients_that_go_away_leave_no_reads_behind(server, facade):
     assert metric(server, "xmix_app_requests_total")['{app="probe"}'] >= before + 16 + 4 + 1
 
 
+def clients_get_their_own_reads(server, facade, model: str) -> list[list[int]]:
+    """Twelve clients at once, each with its own prompt choosing the probe: each gets its own prompt's
+    read at its prompt's end, the facade's value. Returns the prompts."""
+    prompts = [prompt_ids(facade, f"{PROMPTS[i % 2]} {'and so on ' * i}") for i in range(12)]
+
+    def probe_scores(ids):
+        out = server.client().completions.create(model=model, prompt=ids, max_tokens=2, temperature=0,
+                                                 extra_body={"vllm_xargs": {APPS_KEY: "probe"}})
+        return out.model_extra["xmix_reads"][0]["apps"]["probe"]["score"]
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        scores = list(pool.map(probe_scores, prompts))
+    for ids, score in zip(prompts, scores):
+        assert score["positions"] == [len(ids) - 1]
+        torch.testing.assert_close(torch.tensor(score["values"]), probe_oracle(facade, ids)[[len(ids) - 1]],
+                                   atol=1e-4, rtol=1e-4)
+    return prompts
+
+
 def test_two_api_servers_check_choices_and_bring_each_client_its_reads(config, facade, tmp_path):
     """`--api-server-count 2`: vLLM's API servers share the engine, each with the middleware; many
     clients at once, each with its own prompt, get their own prompt's reads, and bad choices are
@@ -379,19 +398,7 @@ def test_two_api_servers_check_choices_and_bring_each_client_its_reads(config, f
     two = Server(command, tmp_path / "two.log", port)
     try:
         assert two.wait_ready(), two.output()[-3000:]
-        prompts = [prompt_ids(facade, f"{PROMPTS[i % 2]} {'and so on ' * i}") for i in range(12)]
-
-        def probe_scores(ids):
-            out = two.client().completions.create(model=model, prompt=ids, max_tokens=2, temperature=0,
-                                                  extra_body={"vllm_xargs": {APPS_KEY: "probe"}})
-            return out.model_extra["xmix_reads"][0]["apps"]["probe"]["score"]
-
-        with ThreadPoolExecutor(len(prompts)) as pool:
-            scores = list(pool.map(probe_scores, prompts))
-        for ids, score in zip(prompts, scores):
-            assert score["positions"] == [len(ids) - 1]
-            torch.testing.assert_close(torch.tensor(score["values"]), probe_oracle(facade, ids)[[len(ids) - 1]],
-                                       atol=1e-4, rtol=1e-4)
+        prompts = clients_get_their_own_reads(two, facade, model)
         for _ in range(4):  # requests go to either server
             with pytest.raises(openai.BadRequestError, match="no app named 'joy'"):
                 two.complete(model, prompts[0], {APPS_KEY: "joy"})
@@ -412,19 +419,7 @@ def test_data_parallel_engines_each_install_the_config_and_bring_each_client_its
     try:
         assert two.wait_ready(), two.output()[-3000:]
         assert two.output().count("xmix-lens: installing apps ['steer', 'probe', 'gate']") == 2
-        prompts = [prompt_ids(facade, f"{PROMPTS[i % 2]} {'and so on ' * i}") for i in range(12)]
-
-        def probe_scores(ids):
-            out = two.client().completions.create(model=model, prompt=ids, max_tokens=2, temperature=0,
-                                                  extra_body={"vllm_xargs": {APPS_KEY: "probe"}})
-            return out.model_extra["xmix_reads"][0]["apps"]["probe"]["score"]
-
-        with ThreadPoolExecutor(len(prompts)) as pool:
-            scores = list(pool.map(probe_scores, prompts))
-        for ids, score in zip(prompts, scores):
-            assert score["positions"] == [len(ids) - 1]
-            torch.testing.assert_close(torch.tensor(score["values"]), probe_oracle(facade, ids)[[len(ids) - 1]],
-                                       atol=1e-4, rtol=1e-4)
+        prompts = clients_get_their_own_reads(two, facade, model)
         finished = metric(two, "vllm:request_success_total")  # vLLM's counts, by engine among their labels
         per_engine = {e: sum(v for labels, v in finished.items() if f'engine="{e}"' in labels) for e in "01"}
         assert all(n > 0 for n in per_engine.values()), per_engine  # both engines served reading requests

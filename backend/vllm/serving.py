@@ -249,9 +249,9 @@ class ReadFetcher:
     """An API server's fetches of finished requests' reads from the engine's workers (rank 0
     answers; under data parallelism each engine's, merged): one collective RPC at a time (a utility
     call the engine core answers between steps) carries every response waiting, and the requests to
-    forget. A request with a step still on the
-    device is asked for again after RETRY_S, and waited for (a drain) once asked for WAIT_S: the
-    engine may have gone idle before that step's reads were queued home."""
+    forget. A request with a step still on the device is asked for again after RETRY_S, and waited
+    for (a drain) once asked for WAIT_S: the engine may have gone idle before that step's reads were
+    queued home."""
 
     RETRY_S = 0.002
     WAIT_S = 0.05

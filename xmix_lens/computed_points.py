@@ -4,7 +4,8 @@ HookedTransformer materialises, per block (hook_points.COMPUTED_POINTS, in firin
     hook_attn_in          [batch, pos, head, d_model]     the residual, one copy per head (cfg.use_attn_in)
     hook_q/k/v_input      [batch, pos, head, d_model]     one copy per query / key-value head (cfg.use_split_qkv_input)
     attn.hook_q/k_normed  [batch, head, pos, d_head]      a family with q/k norms (Qwen3): TransformerLens's
-                                                          layout, heads first; reads only
+                                                          layout, heads first; reads only. OLMo 3's norms are
+                                                          over the whole projection: [batch, pos, heads * d_head]
     mlp.hook_expert_weights / _indices  [batch, pos, experts] / [batch, pos, k]   a mixture of experts'
                                                           choice, from the router's logits; reads only
     attn.hook_attn_scores, attn.hook_pattern              (attention_points.py)
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import attention_points
+from .families import FAMILIES
 
 
 def sources(point: str, family: str) -> tuple[str, ...]:
@@ -73,8 +75,11 @@ def value(point: str, b: Block) -> tuple[torch.Tensor, torch.Tensor]:
         x = b.reads[sources(point, b.cfg.family)[0]]
         weight = getattr(b.tl_block().attn, f"{point[10]}_norm").weight.to(x.device).float()
         gain = weight + 1 if getattr(b.cfg, "rmsnorm_uses_offset", False) else weight  # Gemma's norms: 1 + w
+        if FAMILIES[b.cfg.family].qk_norm_over == "projection":  # OLMo 3: over all heads together
+            x = x.flatten(2)  # [batch, pos, heads * d_head], as TransformerLens lays it out
         normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + b.cfg.eps) * gain
-        act = normed.transpose(1, 2).to(dtype)  # [batch, head, pos, d_head], as TransformerLens lays it out
+        # per head: [batch, head, pos, d_head], as TransformerLens lays it out
+        act = (normed if normed.dim() == 3 else normed.transpose(1, 2)).to(dtype)
     elif point in ("mlp.hook_expert_weights", "mlp.hook_expert_indices"):
         weights, indices = _routed(b.reads["mlp.gate.hook_out"], b.cfg)
         act = weights.to(dtype) if point == "mlp.hook_expert_weights" else indices
@@ -131,8 +136,17 @@ def targets(point: str, b: Block, act: torch.Tensor) -> dict[str, torch.Tensor]:
     if point == "attn.hook_result":
         b_O = attn.b_O
         out = act.float().sum(2)
-        return {"hook_attn_out": out if b_O is None else out + b_O.to(out.device)}
+        # with a norm after attention (Gemma 2, OLMo 3) the heads' sum is the attention's output before it
+        after = "attn.hook_out" if FAMILIES[b.cfg.family].post_norms else "hook_attn_out"
+        return {after: out if b_O is None else out + b_O.to(out.device)}
     if point == "hook_mlp_in":
+        if not FAMILIES[b.cfg.family].pre_norms:
+            # the MLP reads the residual itself, which the skip connection shares: no engine point holds the
+            # MLP's input alone
+            raise NotImplementedError(f"a hook changed hook_mlp_in, which {FAMILIES[b.cfg.family].title} models serve "
+                                      f"for reading only: their MLP reads hook_resid_mid itself (no ln2 before it), "
+                                      f"and a write there changes the residual too; write at mlp.hook_pre / "
+                                      f"hook_pre_linear, or at hook_resid_mid")
         centred, scale = _norm_parts(act, b.cfg)
         return {"ln2.hook_scale": scale, "ln2.hook_normalized": centred / scale}
     raise KeyError(point)
@@ -149,8 +163,11 @@ def _routed(logits: torch.Tensor, cfg) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.zeros_like(probs).scatter(-1, indices, top), indices
 
 
-def position_dim(point: str) -> int:
-    """The dim of a computed point's act that runs over positions (queries, for attention)."""
+def position_dim(point: str, family: str) -> int:
+    """The dim of a computed point's act that runs over positions (queries, for attention): the normed query
+    and key are heads first, except where the norm is over the whole projection (OLMo 3's)."""
+    if point.endswith("_normed") and FAMILIES[family].qk_norm_over == "projection":
+        return 1
     return 2 if point.endswith(("attn.hook_attn_scores", "attn.hook_pattern", "_normed")) else 1
 
 
@@ -186,11 +203,14 @@ def _norm_parts(x: torch.Tensor, cfg) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _project(b: Block, inputs: torch.Tensor, W: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """Per head: ln1 of that head's input copy, times the head's weights [head, d_model, d_head]."""
-    ln1 = b.tl_block().ln1
-    centred, scale = _norm_parts(inputs, b.cfg)
-    normed = centred / scale * ln1.w.to(inputs.device)
-    if getattr(ln1, "b", None) is not None:
-        normed = normed + ln1.b.to(inputs.device)
+    """Per head: ln1 of that head's input copy (the copy itself where the family has no ln1: OLMo 3), times
+    the head's weights [head, d_model, d_head]."""
+    normed = inputs.float()
+    if FAMILIES[b.cfg.family].pre_norms:
+        ln1 = b.tl_block().ln1
+        centred, scale = _norm_parts(inputs, b.cfg)
+        normed = centred / scale * ln1.w.to(inputs.device)
+        if getattr(ln1, "b", None) is not None:
+            normed = normed + ln1.b.to(inputs.device)
     out = torch.einsum("bphm,hmd->bphd", normed, W.to(inputs.device))
     return out if bias is None else out + bias.to(inputs.device)

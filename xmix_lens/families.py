@@ -32,6 +32,11 @@ class Family:
                    must leave them zero
     qk_norm        each head's query and key pass an RMS norm before the rotary embedding
                    (attn.hook_q_normed / hook_k_normed)
+    qk_norm_over   "head": the norm is over each head's d_head (Qwen3, Gemma 3; TransformerLens shows the
+                   normed values heads first, [batch, head, pos, d_head]); "projection": over the whole
+                   query / key projection, all heads together (OLMo 3; [batch, pos, heads * d_head])
+    pre_norms      norms before attention and the MLP (ln1, ln2); without them (OLMo 3) attention and
+                   the MLP read the residual itself: x + ln1_post(attn(x)), then h + ln2_post(mlp(h))
     post_norms     norms on the attention's and the MLP's outputs too (Gemma 2): hook_attn_out and
                    hook_mlp_out are after them, attn.hook_out and mlp.hook_out before them
     moe            the MLP is a mixture of experts: its input (mlp.hook_in), the router's logits
@@ -53,6 +58,8 @@ class Family:
     checkpoint: tuple[tuple[str, ...], ...]
     unplaced: tuple[str, ...] = ()
     qk_norm: bool = False
+    qk_norm_over: Literal["head", "projection"] = "head"
+    pre_norms: bool = True
     post_norms: bool = False
     moe: bool = False
     parallel: bool = False
@@ -169,6 +176,20 @@ GEMMA3 = replace(GEMMA2, name="gemma3", title="Gemma 3", architectures=("Gemma3F
                      ("model.layers.{L}.self_attn.k_norm.weight", "as_is", "attn.k_norm.weight"),
                  ))
 
+# OLMo 3: norms after attention and the MLP only (none before: TransformerLens's ln1_post / ln2_post, no
+# ln1 / ln2), RMS norms over the whole query and key projections (all heads together) before the rotary
+# embedding, some layers' attention in a sliding window (layer_types); plain RMS norms (weight w)
+OLMO3 = replace(
+    LLAMA, name="olmo3", title="OLMo 3", architectures=("Olmo3ForCausalLM",), qk_norm=True, qk_norm_over="projection",
+    pre_norms=False, post_norms=True,
+    checkpoint=tuple(entry for entry in LLAMA.checkpoint if "layernorm" not in entry[0]) + (
+        ("model.layers.{L}.post_attention_layernorm.weight", "as_is", "ln1_post.w"),
+        ("model.layers.{L}.post_feedforward_layernorm.weight", "as_is", "ln2_post.w"),
+        ("model.layers.{L}.self_attn.q_norm.weight", "as_is", "attn.q_norm.weight"),
+        ("model.layers.{L}.self_attn.k_norm.weight", "as_is", "attn.k_norm.weight"),
+    ),
+)
+
 # GPT-NeoX (Pythia): parallel attention and MLP, a partial rotary embedding, LayerNorm; its checkpoint's
 # query_key_value holds q, k and v head after head
 NEOX = Family(
@@ -196,8 +217,8 @@ NEOX = Family(
     ),
 )
 
-FAMILIES = {family.name: family for family in (LLAMA, MISTRAL, QWEN2, QWEN3, QWEN3_MOE, PHI3, GEMMA2, GEMMA3, GPT2,
-                                               NEOX)}
+FAMILIES = {family.name: family for family in (LLAMA, MISTRAL, QWEN2, QWEN3, QWEN3_MOE, PHI3, GEMMA2, GEMMA3, OLMO3,
+                                               GPT2, NEOX)}
 
 # A checkpoint's config flag: its output layer has a bias, `lm_head.bias` (TransformerLens's b_U), which
 # the family's Hugging Face and vLLM models lack (folding GPT-2's final LayerNorm makes one): the

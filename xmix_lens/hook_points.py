@@ -46,6 +46,10 @@ _UNSUPPORTED = {
     r"blocks\.\d+\.attn\.hook_[qk]_normed":
         f"{_lacking(lambda f: f.qk_norm)} has no norm on the query and key (TransformerLens has no "
         f"hook_q_normed/k_normed for it either); use attn.hook_q / hook_k",
+    r"blocks\.\d+\.ln[12]\.hook_(scale|normalized)":
+        f"{_lacking(lambda f: f.pre_norms)} has no norm before attention and the MLP, only after them (TransformerLens "
+        f"has no ln1 / ln2 for it either, only ln1_post / ln2_post); attention reads hook_resid_pre and the MLP "
+        f"hook_resid_mid as they are",
     r"blocks\.\d+\.(hook_resid_mid|hook_mlp_in)":
         f"{_lacking(lambda f: not f.parallel)}'s attention and MLP read the same residual, in parallel "
         f"(TransformerLens has no hook_resid_mid for it either); use hook_resid_pre",
@@ -178,7 +182,8 @@ def _when(on: bool, *points: str) -> tuple[str, ...]:
 
 def _block_points(family: Family, computed: bool) -> tuple[str, ...]:
     return ("hook_resid_pre", *_when(computed, "hook_attn_in", "hook_q_input", "hook_k_input", "hook_v_input"),
-            "ln1.hook_scale", "ln1.hook_normalized", "attn.hook_q", "attn.hook_k", "attn.hook_v",
+            *_when(family.pre_norms, "ln1.hook_scale", "ln1.hook_normalized"),
+            "attn.hook_q", "attn.hook_k", "attn.hook_v",
             *_when(computed and family.qk_norm, "attn.hook_q_normed", "attn.hook_k_normed"),
             *_when(family.rotary, "attn.hook_rot_q", "attn.hook_rot_k"),
             *_when(computed, "attn.hook_attn_scores", "attn.hook_pattern"), "attn.hook_z",
@@ -186,7 +191,8 @@ def _block_points(family: Family, computed: bool) -> tuple[str, ...]:
             *_when(family.post_norms, "attn.hook_out", "ln1_post.hook_scale", "ln1_post.hook_normalized"),
             "hook_attn_out", *_when(not family.parallel, "hook_resid_mid"),
             *_when(computed and not family.parallel, "hook_mlp_in"),
-            "ln2.hook_scale", "ln2.hook_normalized", *(_moe_points(computed) if family.moe else _mlp_points(family)),
+            *_when(family.pre_norms, "ln2.hook_scale", "ln2.hook_normalized"),
+            *(_moe_points(computed) if family.moe else _mlp_points(family)),
             *_when(family.post_norms, "mlp.hook_out", "ln2_post.hook_scale", "ln2_post.hook_normalized"),
             "hook_mlp_out", "hook_resid_post")
 

@@ -436,7 +436,7 @@ class Planner:
             values[name] = computed_points.value(point, blocks[L])[0]
         for start, stop in [(0, P)] + [(P + j, P + j + 1) for j in range(steps)]:
             for name, fns in computed.items():
-                act = values[name].narrow(computed_points.position_dim(name), start, stop - start)
+                act = values[name].narrow(computed_points.position_dim(name, self.cfg.family), start, stop - start)
                 if name.endswith(("attn.hook_attn_scores", "attn.hook_pattern")):  # keys so far
                     act = act[..., :stop]
                 if not torch.equal(self.call_hooks(name, fns, act.clone()), act):

@@ -150,6 +150,41 @@ def _gemma2_table(n_layers: int) -> list[tuple[str, str, dict[str, list[str]]]]:
     return table
 
 
+def _olmo3_table(n_layers: int) -> list[tuple[str, str, dict[str, list[str]]]]:
+    """OLMo 3's blocks, norms after attention and the MLP only: x + post_attention_layernorm(attn(x)), then
+    h + post_feedforward_layernorm(mlp(h)), each norm called without a residual. The residual sites sit on
+    the inputs that attention and the MLP read, written in place so that the layer's `residual`, the same
+    tensor, sees the write: hook_resid_pre before qkv_proj (the layer's and the attention's forwards take
+    positions first), hook_resid_mid before the MLP; hook_resid_post on the layer's output."""
+    table = [("model.embed_tokens", "after", {"out": ["hook_embed"]})]
+    for L in range(n_layers):
+        layer, attn = f"model.layers.{L}", f"model.layers.{L}.self_attn"
+        table += [
+            (f"{attn}.qkv_proj", "before", {"in": [f"blocks.{L}.hook_resid_pre"]}),
+            # q, k before the q/k norms (computed points) and rotary_emb
+            (f"{attn}.qkv_proj", "split",
+             {"q": [f"blocks.{L}.attn.hook_q"], "k": [f"blocks.{L}.attn.hook_k"], "v": [f"blocks.{L}.attn.hook_v"]}),
+            (f"{attn}.attn", "attention", {"q": [f"blocks.{L}.attn.hook_rot_q"], "k": [f"blocks.{L}.attn.hook_rot_k"]}),
+            (f"{attn}.o_proj", "before", {"in": [f"blocks.{L}.attn.hook_z"]}),
+            (attn, "after", {"out": [f"blocks.{L}.attn.hook_out"]}),
+            (f"{layer}.post_attention_layernorm", "norm",
+             {"sum": [], "scale": [f"blocks.{L}.ln1_post.hook_scale"],
+              "normalized": [f"blocks.{L}.ln1_post.hook_normalized"], "weighted": [f"blocks.{L}.hook_attn_out"]}),
+            (f"{layer}.mlp", "before", {"in": [f"blocks.{L}.hook_resid_mid"]}),
+            (f"{layer}.mlp.gate_up_proj", "split",
+             {"gate": [f"blocks.{L}.mlp.hook_pre"], "up": [f"blocks.{L}.mlp.hook_pre_linear"]}),
+            (f"{layer}.mlp.down_proj", "before", {"in": [f"blocks.{L}.mlp.hook_post"]}),
+            (f"{layer}.mlp", "after", {"out": [f"blocks.{L}.mlp.hook_out"]}),
+            (f"{layer}.post_feedforward_layernorm", "norm",
+             {"sum": [], "scale": [f"blocks.{L}.ln2_post.hook_scale"],
+              "normalized": [f"blocks.{L}.ln2_post.hook_normalized"], "weighted": [f"blocks.{L}.hook_mlp_out"]}),
+            (layer, "after", {"out": [f"blocks.{L}.hook_resid_post"]}),
+        ]
+    table.append(("model.norm", "norm", {"sum": [], "scale": ["ln_final.hook_scale"],
+                                         "normalized": ["ln_final.hook_normalized"], "weighted": ["unembed.hook_in"]}))
+    return table
+
+
 def _moe_table(n_layers: int) -> list[tuple[str, str, dict[str, list[str]]]]:
     """Llama's sites with a mixture of experts for the MLP: its input (the norm's output), the router's
     logits (its gate's output, before vLLM's fused experts route) and its output."""
@@ -217,6 +252,8 @@ FAMILY_SITES = {
     "gemma2": FamilySites("vllm.model_executor.models.gemma2:Gemma2ForCausalLM", _gemma2_table),
     # Gemma 3's q/k norms run inside its attention's forward: computed points, as Qwen3's
     "gemma3": FamilySites("vllm.model_executor.models.gemma3:Gemma3ForCausalLM", _gemma2_table),
+    # OLMo 3's q/k norms (over the whole projections) run inside its attention's forward: computed points
+    "olmo3": FamilySites("vllm.model_executor.models.olmo3:Olmo3ForCausalLM", _olmo3_table),
     "gpt2": FamilySites("vllm.model_executor.models.gpt2:GPT2LMHeadModel", _gpt2_table),
     "gpt_neox": FamilySites("vllm.model_executor.models.gpt_neox:GPTNeoXForCausalLM", _neox_table),
 }

@@ -425,8 +425,8 @@ class ControlPlane:
         """New tensors for an installed app's ops, copied in place: same structure, same addresses."""
         app = self._app(name)
         new = [_unplaced(op) for site in ops_by_site for op in ops_by_site[site]]
-        if [(o.site, _structure(o.op), o.placed and o.placed.kind) for o in app.ops] != [
-                (site, _structure(op), placed and placed.kind) for site in ops_by_site
+        if [(o.site, o.op.structure(), o.placed and o.placed.kind) for o in app.ops] != [
+                (site, op.structure(), placed and placed.kind) for site in ops_by_site
                 for op, placed in map(_unplaced, ops_by_site[site])]:
             raise ValueError(f"the new parameters of {name!r} change what its hooks do, not only their values; "
                              "install it as a new app instead")
@@ -965,9 +965,3 @@ def _tensors(op: LoweredOp) -> list[torch.Tensor]:
     """An op's parameter tensors (a store's tables are the engine's, not parameters)."""
     tables = {f"consts[{i}]" for i in _store_tables(op)}
     return [t for name, t in named_tensors(op) if name not in tables]
-
-
-def _structure(op: LoweredOp) -> tuple:
-    program = getattr(op, "program", None)
-    ops = [(o.op, o.args, o.shape) for o in program.ops] if program else None
-    return type(op).__name__, ops, [tuple(t.shape) for t in _tensors(op)]

@@ -164,3 +164,67 @@ def test_generate_from_input_embeddings_as_transformer_lens(pair):
     assert torch.equal(torch.stack(logits, 1).argmax(-1).cpu(), ours[:, :2].cpu())
     with pytest.raises(ValueError, match="d_model"):
         xl.generate(embeds[..., :3], max_new_tokens=2)
+
+
+def _plans_run(xl, monkeypatch) -> list:
+    """The pass plans of each engine run from now on, recorded."""
+    seen, run = [], xl.engine.run
+
+    def recording(plans, *args, **kwargs):
+        seen.append(plans)
+        return run(plans, *args, **kwargs)
+
+    monkeypatch.setattr(xl.engine, "run", recording)
+    return seen
+
+
+def test_per_token_hooks_run_as_a_resident_app_that_only_the_call_selects(pair, monkeypatch):
+    """generate's per-token writes become a resident app (resident_calls.py), selected by the call's
+    rows alone; a later call of the same structure takes its values in place; the tokens are those of
+    the host-planned path, and a plain generate beside it is unchanged."""
+    xl, _ = pair
+    calls = xl.planner.resident_calls
+    plans = _plans_run(xl, monkeypatch)
+
+    def steering(v):
+        return [("blocks.1.hook_resid_mid", lambda act, hook: act * 0.5 + v)]
+
+    first, second = (6.0 * unit(xl.cfg.d_model, s) for s in (5, 6))
+    ours = [xl.generate(PROMPTS, max_new_tokens=NEW, do_sample=False, return_type="tokens", fwd_hooks=steering(v))
+            for v in (first, second)]
+    (a,), (b,) = plans
+    assert a.prompt.ops == {} and a.decode.ops == {} and a.apps == [a.apps[0]] * len(PROMPTS)
+    assert b.apps == a.apps and a.apps[0][0] in calls.kept  # one app, its values set again
+    assert xl.engine.installed[a.apps[0][0]].digest != ""
+    calls.enabled = False
+    try:
+        host = [xl.generate(PROMPTS, max_new_tokens=NEW, do_sample=False, return_type="tokens", fwd_hooks=steering(v))
+                for v in (first, second)]
+    finally:
+        calls.enabled = True
+    assert plans[-1][0].prompt.ops and plans[-1][0].apps is None
+    assert torch.equal(ours[0], host[0]) and torch.equal(ours[1], host[1])
+    assert not torch.equal(ours[0], ours[1])
+    plain = xl.generate(PROMPTS, max_new_tokens=NEW, do_sample=False, return_type="tokens")
+    unhooked = xl.generate(PROMPTS, max_new_tokens=NEW, do_sample=False, return_type="tokens", apps=[[], []])
+    assert torch.equal(plain, unhooked) and not torch.equal(plain, ours[0])
+
+
+def _newest_only(v):
+    def steer(act, hook):
+        act[:, -1] += v
+
+    return steer
+
+
+@pytest.mark.parametrize("hook", [
+    _newest_only,  # one position
+    lambda v: lambda act, hook: act / (act.norm(dim=-1, keepdim=True) - 1.0) + v,  # could divide by zero
+])
+def test_hooks_that_are_not_per_token_or_could_write_nan_stay_host_planned(pair, monkeypatch, hook):
+    xl, _ = pair
+    plans = _plans_run(xl, monkeypatch)
+    xl.generate(PROMPTS, max_new_tokens=2, do_sample=False, fwd_hooks=[("blocks.0.hook_resid_post",
+                                                                        hook(unit(xl.cfg.d_model, 7)))])
+    ((plan,),) = plans
+    assert plan.apps is None and plan.prompt.ops

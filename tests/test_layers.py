@@ -32,8 +32,8 @@ LAYERS = {
                 "xmix_lens.backend.messenger", "xmix_lens.backend.sharding", "xmix_lens.backend.cudart"],
     "vllm": ["xmix_lens.backend.vllm.*"],
     # a call's hooks traced, lowered and run as passes; apps in and out; the computed hook points
-    "planning": ["xmix_lens.planner", "xmix_lens.installer", "xmix_lens.app", "xmix_lens.hooked_root",
-                 "xmix_lens.computed_points", "xmix_lens.attention_points"],
+    "planning": ["xmix_lens.planner", "xmix_lens.resident_calls", "xmix_lens.installer", "xmix_lens.app",
+                 "xmix_lens.hooked_root", "xmix_lens.computed_points", "xmix_lens.attention_points"],
     # TransformerLens's surface and the user's entry points
     "api": ["xmix_lens", "xmix_lens.model", "xmix_lens.cli", "xmix_lens.evaluation", "xmix_lens.cache",
             "xmix_lens.tl_surface", "xmix_lens.model_files", "xmix_lens.verbosity", "xmix_lens.utils",

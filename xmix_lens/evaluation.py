@@ -123,7 +123,8 @@ class Evaluation:
     def __init__(self, model, sweep: Iterable[str | Sweep] = (), max_new_tokens: int = 16, temperature: float = 0.0,
                  seed: int = 0, in_flight: int | None = None):
         self.model, self.registry = model, model.app_registry
-        self.installed = list(model.engine.installed)  # the apps a row may choose, in install order
+        # the apps a row may choose, in install order (not those the engine holds for generate's hooks)
+        self.installed = [n for n in model.engine.installed if n not in model.planner.resident_calls.kept]
         records = {name: self.registry.installed.get(name) for name in self.installed}
         self.declared = {name: record.request_params if record else {} for name, record in records.items()}
         self.reading = {name for name, info in model.engine.installed.items() if info.reads}

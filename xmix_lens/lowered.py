@@ -14,6 +14,8 @@ from typing import ClassVar, NamedTuple
 
 import torch
 
+from .ops import OPS
+
 
 class _OpKind:
     """What every op kind tells of itself. Each kind's class adds `uses_token_tables` (a tensor holds
@@ -61,6 +63,25 @@ class _OpKind:
                 h.update(repr((t.dtype, tuple(t.shape))).encode())
                 h.update(t.detach().cpu().contiguous().numpy().tobytes())
         return h.digest()
+
+    def structure(self) -> tuple:
+        """What the op does apart from its tensors' values: its kind, program, positions, stores and
+        its tensors' shapes. An op of the same structure takes another's values in place (an
+        installed app's set_params), so that a CUDA graph that launches it replays with them."""
+        stores = getattr(self, "store_tables", {})
+        tables = {f"consts[{i}]" for i in stores}
+        program = tuple((o.op, o.args, o.shape) for o in self.program.ops) if self.is_program else None
+        positions = None if self.positions is None else tuple(self.positions.tolist())
+        return (type(self).__name__, program, positions, tuple(sorted(stores.items())),
+                getattr(getattr(self, "store", None), "name", None),
+                tuple((name, tuple(t.shape)) for name, t in self.named_tensors() if name not in tables))
+
+    def keeps_finite(self) -> bool:
+        """Whether finite activations stay finite under the op: its tensors are finite and, for a
+        program, none of its ops can make an inf or a NaN of finite values (xmix_lens.ops: `finite`)."""
+        program_ok = not self.is_program or all(OPS[o.op].finite for o in self.program.ops)
+        return program_ok and all(bool(torch.isfinite(t).all()) for _, t in self.named_tensors()
+                                  if t.is_floating_point())
 
     def _where(self) -> str:
         if self.positions is None:

@@ -35,6 +35,10 @@ class Op:
     # torch function / method names traced as this op; their in-place spellings (add_, __iadd__, clamp_,
     # masked_fill_) are traced as the op followed by a write into the tensor they were called on
     aliases: tuple[str, ...] = ()
+    # whether finite values give a finite one: not so a division (by 0), exp (overflow), log (of 0 or
+    # less) or pow (0 to a negative power); a hook's non-finite writes are reported only where they are
+    # looked for, in host-planned passes (planner.py: a call's resident ops keep finite values finite)
+    finite: bool = True
 
 
 def _float(test: Callable) -> Callable:
@@ -48,7 +52,7 @@ _TABLE = [
     Op("mul", "elementwise", ("value", "value"), torch.mul, "local",
        ("mul", "__mul__", "__rmul__", "multiply")),
     Op("div", "elementwise", ("value", "value"), torch.div, "local",
-       ("div", "__truediv__", "true_divide", "divide")),
+       ("div", "__truediv__", "true_divide", "divide"), finite=False),
     Op("gt", "elementwise", ("value", "value"), _float(torch.gt), "local", ("gt", "__gt__", "greater")),
     Op("ge", "elementwise", ("value", "value"), _float(torch.ge), "local", ("ge", "__ge__")),
     Op("lt", "elementwise", ("value", "value"), _float(torch.lt), "local", ("lt", "__lt__", "less")),
@@ -66,12 +70,13 @@ _TABLE = [
     Op("gelu", "elementwise", ("value",), F.gelu, "local", ("gelu",)),
     Op("sigmoid", "elementwise", ("value",), torch.sigmoid, "local", ("sigmoid",)),
     Op("tanh", "elementwise", ("value",), torch.tanh, "local", ("tanh",)),
-    Op("exp", "elementwise", ("value",), torch.exp, "local", ("exp",)),
-    Op("log", "elementwise", ("value",), torch.log, "local", ("log",)),
+    Op("exp", "elementwise", ("value",), torch.exp, "local", ("exp",), finite=False),
+    Op("log", "elementwise", ("value",), torch.log, "local", ("log",), finite=False),
     Op("logical_not", "elementwise", ("value",), lambda a: (a == 0).float(), "local", ("logical_not", "__invert__")),
     # elementwise with numbers
     # (their torch spellings' arguments are read in trace.py: sqrt is pow 0.5, masked_fill(m, v) is where(m, v, x))
-    Op("pow", "elementwise", ("value", "exponent"), torch.pow, "local", ("pow", "__pow__", "sqrt", "rsqrt")),
+    Op("pow", "elementwise", ("value", "exponent"), torch.pow, "local", ("pow", "__pow__", "sqrt", "rsqrt"),
+       finite=False),
     Op("where", "elementwise", ("value", "value", "value"), lambda c, a, b: torch.where(c != 0, a, b), "local",
        ("where", "masked_fill")),
     Op("clamp", "elementwise", ("value", "bound", "bound"), torch.clamp, "local",

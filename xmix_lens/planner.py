@@ -24,6 +24,7 @@ from .hooked_root import HookedRoot, HookFn, HookSpec
 from .lower import lower
 from .lowered import RESIDENT_TRACE_LEN, Read, resident_form
 from .passes import PassPlan, PhaseOps
+from .resident_calls import ResidentCalls
 from .trace import Tracer, TraceSession, as_parameters, traced_once_for
 
 FINAL = "unembed.hook_in"  # the final norm's output, read for the logits
@@ -108,6 +109,7 @@ class Planner:
         self.pad_token_id = pad_token_id
         self.engine = None  # an Engine (backend/engine.py), set once from_pretrained has built it
         self.on_nonfinite = "raise"  # when hooks write NaN or inf: "raise", "warn" or "ignore"
+        self.resident_calls = ResidentCalls(self)  # generate's per-token hooks as resident apps
 
     # --- one forward call -------------------------------------------------------------------------
     def forward_call(self, rows: Rows, return_type, loss_per_token=False, apps=None) -> Call:
@@ -199,7 +201,10 @@ class Planner:
                 g.outputs = snapshot(traced)
                 decode = self.trace_hooks(len(g.rows), 1, inherited=prompt.per_request_stores, phase="decode")
                 g.generated_outputs = snapshot(traced)
-            plans.append(self.plan(g, rows, prompt, decode, max_new_tokens, sampling))
+            plan = self.plan(g, rows, prompt, decode, max_new_tokens, sampling)
+            if selection is None and not (prompt_writes or computed or output_logits):
+                plan = self._resident_call(plan)
+            plans.append(plan)
         writing = {name for plan in plans for phase in (plan.prompt, plan.decode)
                    for name, ops in phase.ops.items() if any(op.writes for op in ops)}
         writing -= set(prompt_writes or ())
@@ -209,7 +214,13 @@ class Planner:
             raise ValueError(f"{asked} in generate only when nothing else changes the pass (computed after it, from "
                              f"a pass over the generated tokens), but {why}: use run_with_hooks on the generated tokens")
         full: list = [None] * len(rows.rows)
-        for g, plan, outcome in zip(groups, plans, self.run(plans, progress=progress)):
+        try:
+            outcomes = self.run(plans, progress=progress)
+        finally:
+            for plan in plans:
+                if plan.apps and plan.apps[0] and plan.apps[0][0] in self.resident_calls:
+                    self.resident_calls.release(plan.apps[0][0])
+        for g, plan, outcome in zip(groups, plans, outcomes):
             for row, new in zip(g.rows, outcome.tokens):
                 full[row] = rows.rows[row] + list(new)
             prompt_reads, newest_reads = resident_reads(self.registry, g, outcome.results.app_results,
@@ -224,6 +235,15 @@ class Planner:
         B = len(rows.rows)
         run = AppRun(None, merged(groups, B, "outputs"), merged(groups, B, "generated_outputs"), selection)
         return full, run, step_logits
+
+    def _resident_call(self, plan: PassPlan) -> PassPlan:
+        """The plan with its hooks as a resident app that its rows select, where they are per token
+        (resident_calls.py: then its steps can run inside CUDA graphs); else the plan as it is."""
+        name = self.resident_calls.acquire(plan.prompt, plan.decode)
+        if name is None:
+            return plan
+        prompt, decode = (dataclasses.replace(phase, ops={}) for phase in (plan.prompt, plan.decode))
+        return dataclasses.replace(plan, prompt=prompt, decode=decode, apps=[(name,)] * len(plan.rows))
 
     def check_length(self, n: int) -> None:
         limit = self.engine.max_model_len

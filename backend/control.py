@@ -280,6 +280,7 @@ class ControlPlane:
     delivers: bool = True  # whether this rank sends reads home (TP: rank 0 only)
     max_requests: int = 256  # requests running at once (vLLM's max_num_seqs): table rows besides the defaults
     read_dtype: torch.dtype = torch.float32  # reads' values on the device and in the logs: the model's dtype
+    capturing_late: bool = False  # graphs of apps installed late are being captured (adapter.LateAppGraphs)
 
     def __post_init__(self):
         pin = self.device.type == "cuda"
@@ -603,6 +604,23 @@ class ControlPlane:
                 frozenset(site for site, ops in selected.items() if any(o.step_values is None for o in ops)))
         return cached[1], cached[2]
 
+    def late_apps(self) -> tuple[str, ...]:
+        """The installed apps with an op that vLLM's own graphs do not hold (installed after them)."""
+        return tuple(name for name, app in self.apps.items() if any(not o.captured for o in app.ops))
+
+    def resident_sites(self) -> tuple[frozenset[int], frozenset[int]]:
+        """The sites of every op in use (not retired), and those where one writes."""
+        live = {site: [o for o in ops if not o.retired] for site, ops in self.by_site.items()}
+        return (frozenset(site for site, ops in live.items() if ops),
+                frozenset(site for site, ops in live.items() if any(o.step_values is None for o in ops)))
+
+    def gate_off(self) -> None:
+        """Every op off on every token, on the device (the next prepared step stages its rows anew):
+        a capture's warm-up then launches them on no token."""
+        self.control[:, ROWS] = -1
+        self.control[:, TABLE:] = 0
+        self._in_control, self._idle = None, True
+
     def _selects(self, apps: set[str]) -> bool:
         return bool(apps) and any(names & apps for names in [*self.selected.values(), self.defaults])
 
@@ -822,7 +840,7 @@ class ControlPlane:
             raise RuntimeError(f"a step of {T} tokens; the control plane holds {self.max_tokens}")
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
         for entry in ops:
-            entry.captured |= capturing
+            entry.captured |= capturing and not self.capturing_late  # in vLLM's own graphs
             rows = self.control[entry.index, ROWS, :T]
             tables = self.control[entry.index, TABLE, :T] if entry.indexed else None
             with on_site(entry.placed, x, self.comm) as x_op:  # a gather plan: the whole row

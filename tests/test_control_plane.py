@@ -886,3 +886,33 @@ def test_resident_kernels_are_compiled_at_every_launch_configuration_before_thei
     for ours, twins in zip(*outputs):
         torch.testing.assert_close(ours, twins, atol=1e-5, rtol=1e-5)
     assert not torch.equal(outputs[0][0], x)  # the gate wrote
+
+
+def test_graphs_of_late_apps_see_every_op_gated_off_and_leave_vllms_own_marks(served):
+    """What capturing graphs of apps installed after vLLM's own capture needs of the plane
+    (adapter.LateAppGraphs): the apps vLLM's graphs lack (`late_apps`), every live op's site and the
+    writing ones (`resident_sites`), every op gated off until the next step stages its rows, and an
+    uninstalled late app's row freed."""
+    from xmix_lens.backend.control import ROWS, TABLE, ControlPlane
+
+    model = served[MODEL]
+    runtime = model.engine.runtime
+    plane = ControlPlane(torch.device("cpu"), 64)
+    w, kept = vector(model.cfg.d_model, 8), {}
+    hooks = {"early": Apps(model.cfg.d_model).steer(),
+             "probe": [("blocks.1.hook_resid_post", lambda act, hook: kept.update(s=act @ w))]}
+    ops = {name: plane.install(name, runtime._place_all(model.planner.lower_app(name, h).ops, resident=True)).ops
+           for name, h in hooks.items()}
+    ops["early"][0].captured = True  # as vLLM's own capture marks it
+    sites = {name: {op.site for op in app_ops} for name, app_ops in ops.items()}
+    assert plane.late_apps() == ("probe",)
+    assert plane.resident_sites() == (frozenset(sites["early"] | sites["probe"]), frozenset(sites["early"]))
+    plane.select("r0", ["early", "probe"])
+    plane.prepare_step(["r0"], [0, 3], 3, [0])
+    assert plane.control[ops["probe"][0].index, ROWS, :3].tolist() == [0, 1, 2]
+    plane.gate_off()
+    assert bool((plane.control[:, ROWS] == -1).all()) and not plane.control[:, TABLE:].any()
+    plane.prepare_step(["r0"], [0, 1], 1, [3])  # the same request and choice: staged again all the same
+    assert plane.control[ops["probe"][0].index, ROWS, :1].tolist() == [0]
+    plane.uninstall("probe")
+    assert plane.late_apps() == () and all(app is None or app.name != "probe" for app in plane.rows)

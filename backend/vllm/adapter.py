@@ -242,19 +242,25 @@ def _keep_gpu_batches(runner, runtime) -> None:
 
 
 def _eager_steps_when_needed(runner, runtime) -> None:
-    """vLLM 0.26's CUDA-graph dispatcher, wrapped on its instance once it exists: no graph for steps
-    whose sites must run Python (host-planned passes, apps installed after capture); every other
-    step keeps its graph."""
+    """vLLM 0.26's CUDA-graph dispatcher, wrapped on its instance once it exists: a step whose
+    requests select apps installed after vLLM captured its graphs replays a graph of them
+    (LateAppGraphs) where one was captured for its size; no graph for other steps whose sites must
+    run Python (host-planned passes, apps installed after capture); every other step keeps its graph."""
     manager = getattr(runner, "cudagraph_manager", None)
     if manager is None or getattr(manager, "xmix_wrapped", False) or hasattr(runner, "input_batch"):
         return
     from vllm.config import CUDAGraphMode
 
-    dispatch = manager.dispatch
+    dispatch, run_fullgraph = manager.dispatch, manager.run_fullgraph
+    late = runtime.late_graphs = LateAppGraphs(runner, runtime)
 
     def dispatch_unless_eager(num_reqs, num_tokens, *args, **kwargs):
         desc = dispatch(num_reqs, num_tokens, *args, **kwargs)
+        late.replaying = False
         if desc.cg_mode == CUDAGraphMode.NONE or not runtime.needs_eager_steps:
+            return desc
+        if not runtime.host_passes() and late.replays(desc):
+            late.replaying = True
             return desc
         runtime.eager_steps += 1
         if runtime.eager_steps == 1:
@@ -263,8 +269,71 @@ def _eager_steps_when_needed(runner, runtime) -> None:
         return dataclasses.replace(desc, cg_mode=CUDAGraphMode.NONE, num_tokens=num_tokens, num_reqs=num_reqs,
                                    uniform_token_count=None)
 
-    manager.dispatch = dispatch_unless_eager
+    def run_late_or_own(desc):
+        return late.manager.run_fullgraph(desc) if late.replaying else run_fullgraph(desc)
+
+    manager.dispatch, manager.run_fullgraph = dispatch_unless_eager, run_late_or_own
     manager.xmix_wrapped = True
+
+
+class LateAppGraphs:
+    """FULL CUDA graphs of vLLM's model with the resident ops of the apps installed after vLLM
+    captured its own (vLLM 0.26's V2 GPU runner, which captures once, at start, and offers no
+    recapture): `model.install(app)` after the start, and generate's per-token hooks
+    (xmix_lens/resident_calls.py). Their ops sit at sites the compiled model leaves out, so the
+    model is captured uncompiled (`skip_compiled`, with vLLM's platform kernels, as an eager
+    engine's forward) with every resident op launched at its site, gated per token by the control
+    rows as in vLLM's own graphs. vLLM's `ModelCudaGraphManager` captures them, one of its own for
+    these graphs, for the FULL batch sizes a call needs (`prepare`), and the runner's manager
+    replays them where a step selects such apps. They hold the installed apps' ops and addresses:
+    installing or uninstalling an app drops them until the next `prepare`.
+
+    Captured only while the engine is idle (the facade's calls, before their requests are added):
+    a capture runs a dummy batch through vLLM's input buffers, and vLLM captures in CUDA's global
+    mode, in which another thread's synchronising call (the engine's output thread, mid-step) fails."""
+
+    def __init__(self, runner, runtime):
+        self.runner, self.runtime = runner, runtime
+        self.key = None  # the late apps the graphs hold
+        self.manager = None
+        self.replaying = False  # the coming step replays one of these graphs
+
+    def replays(self, desc) -> bool:
+        return self.manager is not None and desc in self.manager.graphs and self.key == self.runtime.control.late_apps()
+
+    def prepare(self, max_requests: int) -> None:
+        """Graphs of the apps installed now for the FULL sizes up to that of `max_requests` requests'
+        decode step (captured once; nothing when no app was installed late or vLLM captures no FULL graphs)."""
+        from vllm.config import CUDAGraphMode
+        from vllm.v1.worker.gpu.cudagraph_utils import ModelCudaGraphManager
+
+        base, control = self.runner.cudagraph_manager, self.runtime.control
+        key = control.late_apps()
+        full = base._capture_descs.get(CUDAGraphMode.FULL, []) if key else []
+        n = min(max(max_requests, 1), base.max_num_reqs)
+        fits = [d.num_tokens for d in base._candidates.get((n, 0), ()) if d.cg_mode == CUDAGraphMode.FULL]
+        if not full or not fits:
+            return
+        if key != self.key:
+            self.key, self.manager = key, ModelCudaGraphManager(base.vllm_config, base.device, base.cudagraph_mode,
+                                                                base.decode_query_len)
+        wanted = [d for d in full if d.num_tokens <= fits[0] and d not in self.manager.graphs]
+        if not wanted:
+            return
+        runner = self.runner
+        self.manager._capture_descs = {CUDAGraphMode.FULL: wanted}
+        torch.cuda.synchronize()
+        control.gate_off()  # the capture's warm-up launches the ops for real: on no token
+        control.capturing_late = True
+        try:  # (the model's forward runs uncompiled, its platform kernels on: instrumented.py)
+            self.manager.capture(runner.model, runner.model_state, runner.input_buffers, runner.intermediate_tensors,
+                                 runner.block_tables, runner.attn_groups, runner.kv_cache_config,
+                                 has_lora=runner.lora_config is not None,
+                                 use_aux_hidden_state_outputs=runner.use_aux_hidden_state_outputs,
+                                 progress_bar_desc="xmix-lens: capturing CUDA graphs of late apps")
+        finally:
+            control.capturing_late = False
+        torch.cuda.synchronize()
 
 
 def ensure_expert_group() -> None:

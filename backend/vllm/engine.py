@@ -157,6 +157,8 @@ class VllmEngine:
                 unknown = sorted(set(names) - set(installed))
                 if unknown:
                     raise KeyError(f"no app named {unknown[0]!r} is installed; installed: {sorted(installed)}")
+        if any(plan.apps for plan in plans):
+            self._late_graphs(sum(len(plan.rows) for plan in plans))
         pass_ids = self.runtime.begin_passes([
             (plan.places, plan.contexts or [0] * len(plan.rows), (plan.prompt.padded_len, plan.prompt.ops),
              (plan.decode.padded_len, plan.decode.ops) if plan.decode is not None else None) for plan in plans])
@@ -197,6 +199,14 @@ class VllmEngine:
         return [PassOutcome(results, [outputs[name] for name in pass_names])
                 for results, pass_names in zip(finished, names)]
 
+    def _late_graphs(self, max_requests: int) -> None:
+        """CUDA graphs of the apps installed after the engine's start, for steps of up to
+        `max_requests` requests, captured where missing (GPU: adapter.LateAppGraphs), only while the
+        engine is idle."""
+        late = getattr(self.runtime, "late_graphs", None)
+        if late is not None and not self.llm.llm_engine.has_unfinished_requests():
+            late.prepare(max_requests)
+
     def serve(self, requests: Iterable[ServedRequest], in_flight: int) -> Iterator[ServedResult]:
         """Requests as a server serves them, through vLLM's step loop: each chooses its apps in its
         vllm_xargs (the workers follow the choice: runtime.follow_requests), so requests with
@@ -212,6 +222,7 @@ class VllmEngine:
         # flight those cost more host time per step than the step's own work on a GPU)
         FINAL_ONLY = RequestOutputKind.FINAL_ONLY
         engine = self.llm.llm_engine
+        self._late_graphs(in_flight)
         digest = hashlib.sha256(b"".join(info.digest for info in self.installed.values())).hexdigest()
         reading = {name for name, info in self.installed.items() if info.reads}
         pending: dict[str, ServedRequest] = {}  # by key (vLLM's outputs name the id it was given)

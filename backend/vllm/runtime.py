@@ -144,6 +144,7 @@ class SiteRuntime:
         # runner, where a replayed CUDA graph skips the model's forward); else the forward does
         self.runner_prepares_steps = False
         self.eager_steps = 0  # steps run without CUDA graphs because their sites must run Python
+        self.late_graphs = None  # graphs of apps installed after vLLM's capture (adapter.LateAppGraphs; GPU)
         self.served: set[str] = set()  # requests whose own vllm_xargs chose their apps
         self.reading: dict[str, tuple[str, int]] = {}  # those whose reads go back: (which positions, prompt length)
         self.finished_reading: dict[str, None] = {}  # finished, their reads not fetched yet (oldest first)
@@ -403,7 +404,7 @@ class SiteRuntime:
     def needs_eager_steps(self) -> bool:
         """Whether the coming steps must run the sites' Python (no CUDA-graph replay): a pass's
         host-planned ops are in flight, or an app installed after graph capture is selected."""
-        return self._host_passes() or self.control.needs_eager_steps
+        return self.host_passes() or self.control.needs_eager_steps
 
     @property
     def needs_uncompiled_step(self) -> bool:
@@ -415,6 +416,9 @@ class SiteRuntime:
     def _set_active_sites(self) -> None:
         """The sites with ops in the coming step, its passes' and the resident ops requests select,
         and those of them with a write."""
+        if self.control.capturing_late:  # every resident op, as the graph must hold them all
+            self.active_sites.ids, self.active_sites.written = self.control.resident_sites()
+            return
         active, written = set(), set()
         for p in self.passes.values():
             if p.rows:
@@ -427,14 +431,14 @@ class SiteRuntime:
         self.active_sites.ids = selected.union(active) if active else selected
         self.active_sites.written = selected_written.union(written) if written else selected_written
 
-    def _host_passes(self) -> bool:
+    def host_passes(self) -> bool:
         return any(p.rows and (p.prefill.ops or p.decode and p.decode.ops) for p in self.passes.values())
 
     def begin_step(self, positions: torch.Tensor) -> None:
         """Called by the model's forward (not replayed by CUDA graphs: eager and compiled steps only)."""
         self.step = None
         self._set_active_sites()
-        host_passes = self._host_passes()
+        host_passes = self.host_passes()
         if not host_passes and (self.runner_prepares_steps or not self.control.ops):
             return
         req_ids, query_start = adapter.step_requests(self.model_runner)

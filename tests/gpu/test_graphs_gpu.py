@@ -181,3 +181,68 @@ def test_toggles_change_results_without_recapture(engine):
     assert by_default == steered and off == plain and steered != plain
     assert reversed_ == per_call and reversed_ != steered
     assert counter.num_gpu_runner_capture_triggers == captures
+
+
+def _decode_outside_graphs(model, replays, run):
+    """(result, steps run without graphs, FULL replays) of run()."""
+    eager = model.engine.runtime.eager_steps
+    replays.take()
+    result = run()
+    return result, model.engine.runtime.eager_steps - eager, replays.take()[0]
+
+
+def test_late_apps_and_per_token_hooks_replay_graphs_captured_for_them(engine):
+    """An app installed after the start, and generate's per-token hooks (a template write, a
+    generated-kernel write: resident_calls.py), run their decode steps in graphs captured for them
+    on first use (adapter.LateAppGraphs), with the tokens of the host-planned path."""
+    from xmix_lens import App
+
+    model, hooks, replays, counter = engine
+    d, v = hooks.d, hooks.v * 2
+    calls = model.planner.resident_calls
+    fwd = {"template": [("blocks.3.hook_resid_post", lambda act, hook: act * 0.5 + v)],
+           "generated": [("blocks.4.hook_resid_mid",
+                          lambda act, hook: act + torch.relu(act @ d)[..., None] * v * 50)]}
+    gen = dict(max_new_tokens=NEW, do_sample=False, return_type="tokens", stop_at_eos=False)
+    rows = {}
+    for name, hooks_ in fwd.items():
+        def call():
+            return model.generate(PROMPTS, fwd_hooks=hooks_, **gen)
+
+        first, eager_first, full_first = _decode_outside_graphs(model, replays, call)
+        started = time.perf_counter()
+        again, eager_again, full_again = _decode_outside_graphs(model, replays, call)
+        seconds_resident = time.perf_counter() - started
+        calls.enabled = False
+        try:
+            started = time.perf_counter()
+            host, eager_host, _ = _decode_outside_graphs(model, replays, call)
+            seconds_host = time.perf_counter() - started
+        finally:
+            calls.enabled = True
+        rows[name] = dict(eager_steps_first_call=eager_first, full_replays_first_call=full_first,
+                          eager_steps_again=eager_again, full_replays_again=full_again,
+                          eager_steps_host_planned=eager_host, seconds_resident=seconds_resident,
+                          seconds_host_planned=seconds_host, tokens_equal_host_planned=torch.equal(again, host),
+                          tokens_equal_first=torch.equal(again, first))
+        record("late_graphs", **rows)
+    late = App("late", [("blocks.2.hook_resid_mid", lambda act, hook: act + v)])
+    model.install(late)
+    try:
+        with_late, eager_late, full_late = _decode_outside_graphs(
+            model, replays, lambda: model.generate(PROMPTS, apps=[["late"]] * len(PROMPTS), **gen).result)
+        calls.enabled = False
+        try:
+            host = model.generate(PROMPTS, fwd_hooks=late.fwd_hooks, **gen)
+        finally:
+            calls.enabled = True
+    finally:
+        model.uninstall("late")
+    rows["installed_late"] = dict(eager_steps=eager_late, full_replays=full_late,
+                                  tokens_equal_host_planned=torch.equal(with_late, host))
+    record("late_graphs", **rows, captures_by_vllm=counter.num_gpu_runner_capture_triggers)
+    for row in rows.values():
+        assert row.get("eager_steps_again", row.get("eager_steps")) <= 1  # the prompts' prefill step only
+        assert row.get("full_replays_again", row.get("full_replays")) >= NEW - 1
+        assert row["tokens_equal_host_planned"]
+    assert rows["template"]["eager_steps_host_planned"] >= NEW

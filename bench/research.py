@@ -7,6 +7,7 @@ Three tasks a researcher runs over many prompts (random token ids, the same for 
   cache     run_with_cache over N prompts, four residual hook points cached, return_type=None
   steer     run_with_hooks with a steering write at the middle layer, return_type="loss"
   generate  greedy generate with the same steering hook (`model.hooks(...)`), G prompts
+  generate_many  the same over M prompts (a sweep's size: the engine's batching against TL's batches)
 xmix-lens gets each task as one call (the engine batches it); TransformerLens (its
 TransformerBridge, compatibility mode without weight processing: the weights vLLM serves) in
 batches of --tl-batch, with its KV cache for generate. Both run under torch.no_grad (as research
@@ -32,8 +33,8 @@ from bench import write_result
 from compat_tests.reference import TLReference
 from xmix_lens import HookedServedModel
 
-SIZES = {"full": {"n": 1000, "len": 64, "gen_prompts": 64, "gen_len": 16, "new": 64},
-         "toy": {"n": 6, "len": 8, "gen_prompts": 2, "gen_len": 4, "new": 3}}
+SIZES = {"full": {"n": 1000, "len": 64, "gen_prompts": 64, "gen_many": 1000, "gen_len": 16, "new": 64},
+         "toy": {"n": 6, "len": 8, "gen_prompts": 2, "gen_many": 5, "gen_len": 4, "new": 3}}
 
 
 def steering(cfg, layer: int):
@@ -130,6 +131,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.4)
     parser.add_argument("--profile", action="store_true", help="profile each task on xmix-lens (host, and device)")
+    parser.add_argument("--tasks", default="cache,steer,generate,generate_many", help="which tasks, comma-separated")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     size = SIZES["toy" if args.toy else "full"]
@@ -155,7 +157,8 @@ def main(argv=None) -> dict:
         return torch.randint(100, vocab - 100, (n, length), generator=gen)
 
     inputs = {"cache": tokens(size["n"], size["len"]), "steer": tokens(size["n"], size["len"]),
-              "generate": tokens(size["gen_prompts"], size["gen_len"])}
+              "generate": tokens(size["gen_prompts"], size["gen_len"]),
+              "generate_many": tokens(size["gen_many"], size["gen_len"])}
     calls = {
         "cache": (lambda t: runs["cache"](ours, t),
                   lambda t: sum(batched(lambda b: runs["cache"](tl, b.to(device)), t, args.tl_batch))),
@@ -164,6 +167,8 @@ def main(argv=None) -> dict:
         "generate": (lambda t: runs["generate"](ours, t, hooks),
                      lambda t: batched(lambda b: runs["generate"](tl, b.to(device), hooks), t, args.tl_batch)),
     }
+    calls["generate_many"] = calls["generate"]
+    calls = {name: calls[name] for name in args.tasks.split(",")}
     result = {"command": "python -m bench.research " + " ".join(argv if argv is not None else sys.argv[1:]),
               "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
               "versions": {"torch": torch.__version__, "vllm": __import__("vllm").__version__,
@@ -172,7 +177,7 @@ def main(argv=None) -> dict:
               "engine_build_s": build, "tasks": {}}
     for name, (on_ours, on_tl) in calls.items():
         t = inputs[name]
-        new_tokens = size["new"] if name == "generate" else 1
+        new_tokens = size["new"] if name.startswith("generate") else 1
         on_native = lambda t: native_vllm(ours, t, new_tokens)  # noqa: E731
         warm = t[: max(2, len(t) // 10)]
         with torch.no_grad():

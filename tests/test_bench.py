@@ -235,7 +235,7 @@ def test_research_harness_runs_each_task_on_both_and_they_agree(tmp_path):
     research.main(["--model", str(tiny_llama()), "--toy", "--repeats", "1", "--tl-batch", "4", "--profile",
                    "--out", str(out)])
     result = json.loads(out.read_text())
-    assert set(result["tasks"]) == {"cache", "steer", "generate"}
+    assert set(result["tasks"]) == {"cache", "steer", "generate", "generate_many"}
     for name, task in result["tasks"].items():
         assert task["speedup_vs_tl"] > 0 and len(task["seconds"]["xmix_lens"]) == 1, name
         assert task["native_vllm_over_xmix"] > 0 and len(task["seconds"]["vllm_native"]) == 1, name
@@ -245,6 +245,8 @@ def test_research_harness_runs_each_task_on_both_and_they_agree(tmp_path):
     assert cache["xmix_lens"] == pytest.approx(cache["transformer_lens"], rel=1e-4)
     assert steer["xmix_lens"] == pytest.approx(steer["transformer_lens"], rel=1e-4)
     assert set(generate["transformer_lens"]) == {generate["xmix_lens"]}  # prompt + new tokens, every batch
+    many = result["tasks"]["generate_many"]["answer"]
+    assert set(many["transformer_lens"]) == {many["xmix_lens"]} and len(many["transformer_lens"]) == 2
 
 
 @pytest.mark.parametrize("busy", [[], ["--busy-thread"], ["--evict-caches", "4"]],

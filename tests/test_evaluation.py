@@ -270,9 +270,9 @@ def test_interrupted_runs_resume_to_the_uninterrupted_result(config, tmp_path):
     time, the last time over two data-parallel engines (`--data-parallel-size 2`, each in a process
     of its own on its own core): every record once, equal to an uninterrupted run of the same command
     on one engine (eager engines, as the command asks: against the compiled engine, whose rounding
-    differs, one token of the 115,200 differed once, likely a greedy near-tie)."""
+    differs, one token of 115,200 differed once, likely a greedy near-tie)."""
     rows = [{"id": f"r{i}", "prompt": f"{PROMPTS[i % 4]} {i}", "apps": [["steer"], ["probe"], []][i % 3],
-             "max_new_tokens": 48} for i in range(1200)]  # long enough that no run ends before its signal
+             "max_new_tokens": 32} for i in range(600)]  # long enough that no run ends before its signal
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "out.jsonl"
     command = cli("eval", "--model", tiny_llama(), "--config", config, "--input", tmp_path / "rows.jsonl",
@@ -283,7 +283,7 @@ def test_interrupted_runs_resume_to_the_uninterrupted_result(config, tmp_path):
     _, err = first.communicate(timeout=120)
     assert first.returncode == 130 and "continue with --resume" in err, err[-3000:]
     after_first = out.read_text().count("\n")
-    assert 50 <= after_first < 2400
+    assert 50 <= after_first < 1200
     second = subprocess.Popen(command + ["--resume"], env=cli_environment(), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True)
     wait_for_records(out, after_first + 100, second)
@@ -299,7 +299,7 @@ def test_interrupted_runs_resume_to_the_uninterrupted_result(config, tmp_path):
     assert per_engine and all(int(n) > 0 for n in per_engine.groups()), third.stdout  # both engines served rows
     records = [json.loads(line) for line in out.read_text().splitlines()]
     keys = [(r["id"], r["sweep"]["gate.gain"]) for r in records]
-    assert len(keys) == len(set(keys)) == 2400 and not any("error" in r for r in records)
+    assert len(keys) == len(set(keys)) == 1200 and not any("error" in r for r in records)
     whole_path = tmp_path / "whole.jsonl"
     whole_command = [str(whole_path) if part == str(out) else part for part in command]
     uninterrupted = subprocess.run(whole_command, env=cli_environment(), capture_output=True, text=True, timeout=600)

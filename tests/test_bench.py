@@ -317,3 +317,18 @@ def test_served_harness_times_every_mode_against_native_servers(tmp_path):
     seven_engine = [p for p in result["profile"] if p["label"] == "2/seven" and p["process"] != "MainProcess"]
     assert any(f.startswith("xmix:backend/") for p in seven_engine for f in p["xmix_inclusive"])  # its sites ran
     assert result["command"].startswith("python -m bench.served")
+
+
+def test_host_memory_harness_compares_a_research_engine_with_vllms_own(tmp_path):
+    """bench/host_memory.py on the tiny Llama (eager engines, fp32): each engine in a process of its
+    own, what a researcher touches on the model's device, and the research engine within 2 GiB of
+    vLLM's own on the host (issue #48's bound: no float32 host copy of the model)."""
+    from bench import host_memory
+
+    out = tmp_path / "memory.json"
+    host_memory.main(["--model", str(tiny_llama()), "--dtype", "float32", "--eager", "--out", str(out)])
+    result = json.loads(out.read_text())
+    for who in ("native", "research"):
+        assert 0 < result[who]["built"]["rss_gib"] <= result[who]["used"]["peak_gib"]
+    assert set(result["research"]["touched"].values()) >= {"cpu"} and result["research"]["touched"]["tl_parameters"] > 0
+    assert result["research_over_native_gib"] < 2.0

@@ -297,6 +297,7 @@ class LateAppGraphs:
         self.key = None  # the late apps the graphs hold
         self.manager = None
         self.replaying = False  # the coming step replays one of these graphs
+        self.failed: str | None = None  # why a capture failed: then their steps run without graphs, as before
 
     def replays(self, desc) -> bool:
         return self.manager is not None and desc in self.manager.graphs and self.key == self.runtime.control.late_apps()
@@ -309,7 +310,7 @@ class LateAppGraphs:
 
         base, control = self.runner.cudagraph_manager, self.runtime.control
         key = control.late_apps()
-        full = base._capture_descs.get(CUDAGraphMode.FULL, []) if key else []
+        full = base._capture_descs.get(CUDAGraphMode.FULL, []) if key and self.failed is None else []
         n = min(max(max_requests, 1), base.max_num_reqs)
         fits = [d.num_tokens for d in base._candidates.get((n, 0), ()) if d.cg_mode == CUDAGraphMode.FULL]
         if not full or not fits:
@@ -331,6 +332,10 @@ class LateAppGraphs:
                                  has_lora=runner.lora_config is not None,
                                  use_aux_hidden_state_outputs=runner.use_aux_hidden_state_outputs,
                                  progress_bar_desc="xmix-lens: capturing CUDA graphs of late apps")
+        except Exception as e:  # correct without them: the steps run as before, and the user is told
+            self.failed, self.key, self.manager = f"{type(e).__name__}: {e}", None, None
+            logger.warning("xmix-lens: capturing CUDA graphs of apps installed after the engine's start failed "
+                           "(%s); their steps run without graphs", self.failed)
         finally:
             control.capturing_late = False
         torch.cuda.synchronize()

@@ -240,7 +240,10 @@ def test_late_apps_and_per_token_hooks_replay_graphs_captured_for_them(engine):
         model.uninstall("late")
     rows["installed_late"] = dict(eager_steps=eager_late, full_replays=full_late,
                                   tokens_equal_host_planned=torch.equal(with_late, host))
-    record("late_graphs", **rows, captures_by_vllm=counter.num_gpu_runner_capture_triggers)
+    late_graphs = model.engine.runtime.late_graphs
+    record("late_graphs", **rows, captures_by_vllm=counter.num_gpu_runner_capture_triggers,
+           capture_failed=late_graphs.failed)
+    assert late_graphs.failed is None
     for row in rows.values():
         assert row.get("eager_steps_again", row.get("eager_steps")) <= 1  # the prompts' prefill step only
         assert row.get("full_replays_again", row.get("full_replays")) >= NEW - 1

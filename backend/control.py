@@ -149,6 +149,16 @@ class AppInfo:
     reads: bool  # whether it reads: its requests must compute every position (no prefix-cache reuse)
     version: int
 
+    @classmethod
+    def of_ranks(cls, infos: list["AppInfo"]) -> "AppInfo":
+        """One app's info from every rank of an engine, as one: tensor-parallel ranks answer alike;
+        pipeline stages each hold the app's ops at their own hook points (each has its digest)."""
+        distinct = list(dict.fromkeys(infos))
+        if len(distinct) == 1:
+            return distinct[0]
+        digest = hashlib.sha256(b"".join(info.digest for info in distinct)).digest()
+        return cls(distinct[0].name, digest, any(info.reads for info in distinct), distinct[0].version)
+
 
 @dataclass
 class ResidentApp:

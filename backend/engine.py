@@ -32,6 +32,14 @@ class PassResults:
     def result(self, key) -> torch.Tensor:
         return self.values[key]
 
+    @classmethod
+    def of_stages(cls, stages: list["PassResults"]) -> "PassResults":
+        """One pass's results from each pipeline stage, as one: each read what its hook points hold."""
+        return cls({key: value for stage in stages for key, value in stage.values.items()},
+                   [{key: value for stage in rows for key, value in stage.items()}
+                    for rows in zip(*(stage.app_results for stage in stages))],
+                   {point: rows for stage in stages for point, rows in stage.nonfinite.items()})
+
 
 @dataclass
 class PassOutcome:

@@ -171,10 +171,21 @@ def test_reads_from_several_engines_are_merged_by_prompt():
     any engine still computes some."""
     first = ({"cmpl-a": [(1, ["one"])], "cmpl-b": [], "cmpl-c": [(0, ["c0"])]}, 2, 0.5)
     second = ({"cmpl-a": [(0, ["zero"])], "cmpl-b": None, "cmpl-c": []}, 1, 0.25)
-    answers, held, seconds = serving.engines_reads([first, second])
+    not_delivering = (None, 0, 0.125)  # a tensor-parallel rank other than the first
+    answers, held, seconds = serving.engines_reads([[first, not_delivering], [second]])
     assert answers == {"cmpl-a": [(0, ["zero"]), (1, ["one"])], "cmpl-b": None, "cmpl-c": [(0, ["c0"])]}
     assert (held, seconds) == (3, 0.75)
-    assert serving.engines_reads([first]) == first
+    assert serving.engines_reads([[first]]) == first
+
+
+def test_reads_from_pipeline_stages_are_merged_per_prompt():
+    """Under pipeline parallelism each stage answers every reading request, prompt by prompt, with the
+    reads at its own hook points: a prompt's reads are every stage's."""
+    stage0 = ({"cmpl-a": [(0, ["a0 early"]), (1, ["a1 early"])], "cmpl-b": None}, 2, 0.5)
+    stage1 = ({"cmpl-a": [(0, ["a0 late"]), (1, [])], "cmpl-b": None}, 2, 0.25)
+    answers, held, seconds = serving.engines_reads([[stage0, stage1]])
+    assert answers == {"cmpl-a": [(0, ["a0 early", "a0 late"]), (1, ["a1 early"])], "cmpl-b": None}
+    assert (held, seconds) == (2, 0.5)
 
 
 def test_each_engine_keeps_its_scratch_workspace_and_steps_with_it(served):

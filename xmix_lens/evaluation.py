@@ -384,20 +384,21 @@ class EngineRecipe:
         return HookedTransformer.from_pretrained(self.model, config=self.config, armed=(), **self.engine_args)
 
     def ranks(self, n: int) -> list[dict[str, str]]:
-        """Each engine's environment: its GPUs (CUDA_VISIBLE_DEVICES, tensor_parallel_size of them), or
-        on the CPU its share of this process's cores (vLLM's VLLM_CPU_OMP_THREADS_BIND, one list per
-        TP rank), so that N engines do not run on the same ones."""
+        """Each engine's environment: its GPUs (CUDA_VISIBLE_DEVICES, tensor_parallel_size ×
+        pipeline_parallel_size of them), or on the CPU its share of this process's cores (vLLM's
+        VLLM_CPU_OMP_THREADS_BIND, one list per rank), so that N engines do not run on the same ones."""
         import torch
 
-        tp = int(self.engine_args.get("tensor_parallel_size", self.engine_args.get("n_devices", 1)))
+        tp = int(self.engine_args.get("tensor_parallel_size", self.engine_args.get("n_devices", 1))) * \
+            int(self.engine_args.get("pipeline_parallel_size", 1))  # an engine's ranks
         if n == 1:
             return [{}]
         if torch.cuda.is_available():
             visible = os.environ.get("CUDA_VISIBLE_DEVICES")
             devices = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
             if len(devices) < n * tp:
-                raise ValueError(f"data_parallel_size={n} engines of tensor_parallel_size={tp} need {n * tp} GPUs; "
-                                 f"{len(devices)} are visible: lower data_parallel_size")
+                raise ValueError(f"data_parallel_size={n} engines of {tp} GPUs each (tensor × pipeline parallel "
+                                 f"sizes) need {n * tp} GPUs; {len(devices)} are visible: lower data_parallel_size")
             return [{"CUDA_VISIBLE_DEVICES": ",".join(devices[r * tp:(r + 1) * tp])} for r in range(n)]
         cores = sorted(os.sched_getaffinity(0))
         per_rank = len(cores) // (n * tp)

@@ -168,14 +168,22 @@ def test_vllms_v1_gpu_model_runner_is_refused_with_the_setting_that_avoids_it():
 def test_reads_from_several_engines_are_merged_by_prompt():
     """Under data parallelism each engine answers a fetch for the prompts it served (an empty list for
     a request it did not see); a request's reads are all its prompts', by prompt index, and none while
-    any engine still computes some."""
-    first = ({"cmpl-a": [(1, ["one"])], "cmpl-b": [], "cmpl-c": [(0, ["c0"])]}, 2, 0.5)
+    any engine still computes some. An engine that answered forgets what it gave (and answers an empty
+    list the next time): kept until the others answer."""
+    first = ({"cmpl-a": [(1, ["one"])], "cmpl-b": [(2, ["b2"])], "cmpl-c": [(0, ["c0"])]}, 2, 0.5)
     second = ({"cmpl-a": [(0, ["zero"])], "cmpl-b": None, "cmpl-c": []}, 1, 0.25)
     not_delivering = (None, 0, 0.125)  # a tensor-parallel rank other than the first
-    answers, held, seconds = serving.engines_reads([[first, not_delivering], [second]])
-    assert answers == {"cmpl-a": [(0, ["zero"]), (1, ["one"])], "cmpl-b": None, "cmpl-c": [(0, ["c0"])]}
+    answers, held, seconds = serving.engine_reads([[first, not_delivering], [second]])
     assert (held, seconds) == (3, 0.75)
-    assert serving.engines_reads([[first]]) == first
+    gathered = {}
+    complete = serving.gather_engine_reads(gathered, answers)
+    assert complete == {"cmpl-a": [(0, ["zero"]), (1, ["one"])], "cmpl-b": None, "cmpl-c": [(0, ["c0"])]}
+    later = [{"cmpl-b": []}, {"cmpl-b": [(0, ["b0"])]}]  # the first engine gave its part already
+    assert serving.gather_engine_reads(gathered, later) == {"cmpl-b": [(0, ["b0"]), (2, ["b2"])]}
+    assert not gathered
+    serving.gather_engine_reads(gathered, [{"cmpl-d": [(0, ["d0"])]}, {"cmpl-d": None}])
+    serving.gather_engine_reads(gathered, [{}, {}], forget=["cmpl-d"])  # its client went away
+    assert not gathered
 
 
 def test_reads_from_pipeline_stages_are_merged_per_prompt():
@@ -183,8 +191,8 @@ def test_reads_from_pipeline_stages_are_merged_per_prompt():
     reads at its own hook points: a prompt's reads are every stage's."""
     stage0 = ({"cmpl-a": [(0, ["a0 early"]), (1, ["a1 early"])], "cmpl-b": None}, 2, 0.5)
     stage1 = ({"cmpl-a": [(0, ["a0 late"]), (1, [])], "cmpl-b": None}, 2, 0.25)
-    answers, held, seconds = serving.engines_reads([[stage0, stage1]])
-    assert answers == {"cmpl-a": [(0, ["a0 early", "a0 late"]), (1, ["a1 early"])], "cmpl-b": None}
+    answers, held, seconds = serving.engine_reads([[stage0, stage1]])
+    assert answers == [{"cmpl-a": [(0, ["a0 early", "a0 late"]), (1, ["a1 early"])], "cmpl-b": None}]
     assert (held, seconds) == (2, 0.5)
 
 

@@ -262,6 +262,8 @@ class ReadFetcher:
         # API request id -> (its reads, asked at, whether it may still run)
         self.waiting: dict[str, tuple[asyncio.Future, float, bool]] = {}
         self.forgotten: list[str] = []
+        # under data parallelism, the reads of a waiting request some engines have given (and forgotten)
+        self.gathered: dict[str, list] = {}
         self._fetching: asyncio.Task | None = None
 
     async def reads(self, api_id: str, early: bool = False) -> list:
@@ -286,7 +288,7 @@ class ReadFetcher:
             # a drain waits for the newest step: only for a finished request's last steps, never for a running one
             wait = any(time.monotonic() - self.waiting[a][1] > self.WAIT_S for a in asked if not self.waiting[a][2])
             try:
-                answers, held, seconds = engines_reads(await rpc_on_every_engine(
+                answers, held, seconds = engine_reads(await rpc_on_every_engine(
                     self.engine, "xmix_take_reads", (asked, forget, wait, early)))
             except Exception as e:  # the engine is gone: every response waiting says so
                 for future, *_ in self.waiting.values():
@@ -297,7 +299,7 @@ class ReadFetcher:
             READS_HELD.set(held)
             READ_FETCHES.inc()
             READ_FETCH_ENGINE.inc(seconds)
-            for api_id, reads in answers.items():
+            for api_id, reads in gather_engine_reads(self.gathered, answers, forget).items():
                 if reads is not None:
                     future, *_ = self.waiting.pop(api_id)
                     if not future.done():  # its client went away meanwhile
@@ -306,26 +308,36 @@ class ReadFetcher:
                 await asyncio.sleep(self.RETRY_S)
 
 
-def engines_reads(engines: list[list[tuple[dict | None, int, float]]]) -> tuple[dict, int, float]:
-    """One fetch's answer from each engine's workers, as one. The workers that deliver reads (each
-    pipeline stage's first tensor-parallel rank; the others answer None) hold those of their stage's
-    hook points (runtime.merge_stage_reads). Under data parallelism a request's prompts may land on any
-    engine; one that holds none of a request's prompts answers it with an empty list: a request's reads
-    are its prompts' from every engine, by prompt index, or None while any engine still computes some.
-    The reads held and the seconds taken: each engine's most, summed."""
+def engine_reads(engines: list[list[tuple[dict | None, int, float]]]) -> tuple[list[dict], int, float]:
+    """One fetch's answer from each engine's workers: each engine's reads, the reads held and the
+    seconds taken (each engine's most, summed). The workers that deliver reads (each pipeline stage's
+    first tensor-parallel rank; the others answer None) hold those of their stage's hook points
+    (runtime.merge_stage_reads)."""
     answers = []
     for workers in engines:
         delivered = [answer for answer in workers if answer[0] is not None]
         answers.append((merge_stage_reads([taken for taken, _, _ in delivered]),
                         max(held for _, held, _ in delivered), max(seconds for _, _, seconds in delivered)))
-    if len(answers) == 1:
-        return answers[0]
-    merged = {}
-    for api_id in answers[0][0]:
-        parts = [taken[api_id] for taken, _, _ in answers]
-        merged[api_id] = None if any(p is None for p in parts) else sorted((r for p in parts for r in p),
-                                                                           key=lambda read: read[0])
-    return merged, sum(held for _, held, _ in answers), sum(seconds for _, _, seconds in answers)
+    return ([taken for taken, _, _ in answers], sum(held for _, held, _ in answers),
+            sum(seconds for _, _, seconds in answers))
+
+
+def gather_engine_reads(gathered: dict[str, list], answers: list[dict], forget=()) -> dict:
+    """The requests whose reads are complete after one fetch, from each engine's answer. Under data
+    parallelism a request's prompts may land on any engine; one that holds none of them answers an
+    empty list, one still computing some None. An engine that answers hands its reads over and forgets
+    them, so they are `gathered` until every engine has answered; then a request's reads are its
+    prompts' from every engine, by prompt index. Others: None (asked again)."""
+    for api_id in forget:
+        gathered.pop(api_id, None)
+    complete = {}
+    for api_id in answers[0]:
+        parts = [taken[api_id] for taken in answers]
+        kept = gathered.setdefault(api_id, [])
+        kept.extend(entry for part in parts if part is not None for entry in part)
+        done = all(part is not None for part in parts)
+        complete[api_id] = sorted(gathered.pop(api_id), key=lambda read: read[0]) if done else None
+    return complete
 
 
 def _multipart(scope) -> bool:

@@ -4,10 +4,13 @@ runs the embedding and layer 0, stage 1 layer 1 and the final norm; each stage's
 sites of its own hook points (sites.site_stages), its first rank delivers their reads, and the
 driver merges the stages' answers (remote.py). TransformerLens's blocks.0.hook_resid_post is the
 residual entering layer 1: stage 1's. tests/test_serving_config.py serves an app config under PP."""
+import json
+
 import pytest
 import torch
 
-from xmix_lens import HookedServedModel
+from xmix_lens import HookedServedModel, evaluate
+from tests.test_app_config import installed, make_apps
 from tests.test_tensor_parallel import PROMPTS, TOL, Hooks, _apps
 from tests.tiny_models import tiny_llama
 
@@ -113,3 +116,25 @@ def test_installed_apps_under_pp2(pp1, pp2):
                 torch.testing.assert_close(two.outputs[app][key], one.outputs[app][key], equal_nan=True, **TOL)
     assert not torch.allclose(a1.result, b1.result)  # the apps did something
     assert not any(name.startswith("pp-") for name in pp2.engine.runtime.installed)
+
+
+def test_evaluation_rows_under_pp2_equal_one_rank(pp1, pp2, tmp_path):
+    """`xmix_lens.evaluate` over an engine of two stages: apps chosen per row, the probe's reads (stage 1's)
+    fetched as a served request's are."""
+    rows = [{"id": "plain", "prompt": "The cat sat on"},
+            {"id": "steer", "prompt": "One two three", "apps": ["steer"]},
+            {"id": "probe", "prompt": "A quick brown fox", "apps": ["steer", "probe", "gate"]}]
+    records = []
+    for model in (pp1, pp2):
+        with installed(model, make_apps(model.cfg.d_model)):
+            path = tmp_path / f"rows-{len(records)}.jsonl"
+            evaluate(model, rows, path, progress=False, max_new_tokens=4)
+        records.append({r["id"]: r for r in map(json.loads, open(path))})
+    one, two = records
+    assert one.keys() == two.keys() == {"plain", "steer", "probe"}
+    assert all("error" not in record for record in [*one.values(), *two.values()])
+    for name in one:
+        assert two[name]["token_ids"] == one[name]["token_ids"], name
+    read1, read2 = one["probe"]["reads"]["probe"]["score"], two["probe"]["reads"]["probe"]["score"]
+    assert read2["positions"] == read1["positions"]
+    torch.testing.assert_close(torch.tensor(read2["values"]), torch.tensor(read1["values"]), **TOL)

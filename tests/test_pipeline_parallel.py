@@ -11,7 +11,7 @@ import torch
 
 from xmix_lens import HookedServedModel, evaluate
 from tests.test_app_config import installed, make_apps
-from tests.test_tensor_parallel import PROMPTS, TOL, Hooks, _apps
+from tests.test_tensor_parallel import PROMPTS, TOL, assert_apps_equal, assert_hooks_equal, ranks_engine
 from tests.tiny_models import tiny_llama
 
 MODEL = "tiny-llama"
@@ -19,12 +19,7 @@ MODEL = "tiny-llama"
 
 @pytest.fixture(scope="module")
 def pp2():
-    # vLLM's CPU workers bind their threads to one NUMA node each; this machine has one node, so
-    # have vLLM split its cores between the two ranks as if they were two nodes
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("VLLM_CPU_SIM_MULTI_NUMA", "1")
-        model = HookedServedModel.from_pretrained(str(tiny_llama()), max_model_len=256, pipeline_parallel_size=2,
-                                                  distributed_executor_backend="mp")
+    model = ranks_engine(pipeline_parallel_size=2)
     yield model
     model.shutdown()
 
@@ -46,17 +41,7 @@ def test_each_stage_holds_its_own_hook_points(pp2):
 @pytest.mark.parametrize("case", ["steer_resid", "ablate_head", "scale_q", "conditional_z", "project_out_mlp",
                                   "gelu_pre", "probe_z", "read_k", "read_resid", "kept_then_written"])
 def test_hooks_under_pp2_equal_one_rank(pp1, pp2, case):
-    results = []
-    for model in (pp1, pp2):
-        hooks = Hooks(model.cfg)
-        logits = model.run_with_hooks(PROMPTS, fwd_hooks=hooks.cases()[case])
-        results.append((logits, dict(hooks.kept)))
-    (logits1, kept1), (logits2, kept2) = results
-    assert (logits1 - pp1(PROMPTS)).abs().max() > 1e-3 or kept1, f"{case} changed nothing: the comparison is empty"
-    torch.testing.assert_close(logits2, logits1, **TOL)
-    assert kept2.keys() == kept1.keys()
-    for key in kept1:
-        torch.testing.assert_close(kept2[key], kept1[key], **TOL)
+    assert_hooks_equal(pp1, pp2, case)
 
 
 def test_cache_of_every_hook_point_and_generation_under_pp2(pp1, pp2):
@@ -92,30 +77,7 @@ def test_uncompiled_pipeline_parallelism_on_the_cpu_is_refused_before_an_engine_
 
 def test_installed_apps_under_pp2(pp1, pp2):
     """A head shift on stage 0 and a probe over every head on stage 1, chosen per row."""
-    runs = []
-    for model in (pp1, pp2):
-        apps = _apps(model.cfg, "pp-")
-        for app in apps:
-            model.install(app)
-        try:
-            info = model.engine.runtime.installed
-            assert (info["pp-shift"].reads, info["pp-zprobe"].reads) == (False, True)
-            runs.append(model.run_with_hooks(PROMPTS, apps=[["pp-shift", "pp-zprobe"], [], ["pp-zprobe"]],
-                                             padding_side="left"))
-            model.set_params("pp-shift", s=-apps[0].params["s"])
-            runs.append(model.run_with_hooks(PROMPTS, apps=[["pp-shift"], ["pp-shift"], []], padding_side="left"))
-        finally:
-            for app in apps:
-                model.uninstall(app.name)
-    (a1, b1), (a2, b2) = runs[:2], runs[2:]
-    for one, two in ((a1, a2), (b1, b2)):
-        torch.testing.assert_close(two.result, one.result, **TOL)
-        assert two.outputs.keys() == one.outputs.keys()
-        for app in one.outputs:
-            for key in one.outputs[app]:
-                torch.testing.assert_close(two.outputs[app][key], one.outputs[app][key], equal_nan=True, **TOL)
-    assert not torch.allclose(a1.result, b1.result)  # the apps did something
-    assert not any(name.startswith("pp-") for name in pp2.engine.runtime.installed)
+    assert_apps_equal(pp1, pp2, "pp-")
 
 
 def test_evaluation_rows_under_pp2_equal_one_rank(pp1, pp2, tmp_path):

@@ -15,14 +15,19 @@ PROMPTS = ["The cat sat on the mat and looked", "One two three", "A quick brown 
 TOL = dict(rtol=1e-4, atol=1e-4)  # fp32; TP changes only the order of the matmuls' sums
 
 
-@pytest.fixture(scope="module")
-def tp2():
+def ranks_engine(**layout) -> HookedServedModel:
+    """The tiny Llama on vLLM's multiprocess CPU workers, `layout` its parallel sizes."""
     # vLLM's CPU workers bind their threads to one NUMA node each; this machine has one node, so
-    # have vLLM split its cores between the two ranks as if they were two nodes
+    # have vLLM split its cores between the ranks as if they were several nodes
     with pytest.MonkeyPatch.context() as env:
         env.setenv("VLLM_CPU_SIM_MULTI_NUMA", "1")
-        model = HookedServedModel.from_pretrained(str(tiny_llama()), max_model_len=256, tensor_parallel_size=2,
-                                                  distributed_executor_backend="mp")
+        return HookedServedModel.from_pretrained(str(tiny_llama()), max_model_len=256,
+                                                 distributed_executor_backend="mp", **layout)
+
+
+@pytest.fixture(scope="module")
+def tp2():
+    model = ranks_engine(tensor_parallel_size=2)
     yield model
     model.shutdown()
 
@@ -85,13 +90,18 @@ def _zero_head(h):
 @pytest.mark.parametrize("case", ["steer_resid", "ablate_head", "scale_q", "conditional_z", "project_out_mlp",
                                   "gelu_pre", "probe_z", "read_k", "read_resid", "kept_then_written"])
 def test_hooks_under_tp2_equal_one_rank(tp1, tp2, case):
+    assert_hooks_equal(tp1, tp2, case)
+
+
+def assert_hooks_equal(one_rank, ranks, case: str) -> None:
+    """The case's logits and reads on the engine of several ranks equal the one-rank engine's."""
     results = []
-    for model in (tp1, tp2):
+    for model in (one_rank, ranks):
         hooks = Hooks(model.cfg)
         logits = model.run_with_hooks(PROMPTS, fwd_hooks=hooks.cases()[case])
         results.append((logits, dict(hooks.kept)))
     (logits1, kept1), (logits2, kept2) = results
-    plain = tp1(PROMPTS)
+    plain = one_rank(PROMPTS)
     assert (logits1 - plain).abs().max() > 1e-3 or kept1, f"{case} changed nothing: the comparison would be empty"
     torch.testing.assert_close(logits2, logits1, **TOL)
     assert kept2.keys() == kept1.keys()
@@ -136,28 +146,37 @@ def _apps(cfg, prefix):
 
 
 def test_installed_apps_under_tp2(tp1, tp2):
+    assert_apps_equal(tp1, tp2, "tp-")
+
+
+def assert_apps_equal(one_rank, ranks, prefix: str) -> None:
+    """_apps installed, chosen per row and their params changed: the engine of several ranks gives
+    the one-rank engine's logits and app reads."""
     runs = []
-    for model in (tp1, tp2):
-        apps = _apps(model.cfg, "tp-")
+    for model in (one_rank, ranks):
+        apps = _apps(model.cfg, prefix)
         for app in apps:
             model.install(app)
         try:
-            assert set(model.engine.runtime.installed) >= {"tp-shift", "tp-zprobe"}
-            runs.append(model.run_with_hooks(PROMPTS, apps=[["tp-shift", "tp-zprobe"], [], ["tp-zprobe"]],
+            info = model.engine.runtime.installed
+            assert (info[f"{prefix}shift"].reads, info[f"{prefix}zprobe"].reads) == (False, True)
+            runs.append(model.run_with_hooks(PROMPTS, apps=[[f"{prefix}shift", f"{prefix}zprobe"], [],
+                                                            [f"{prefix}zprobe"]], padding_side="left"))
+            model.set_params(f"{prefix}shift", s=-apps[0].params["s"])
+            runs.append(model.run_with_hooks(PROMPTS, apps=[[f"{prefix}shift"], [f"{prefix}shift"], []],
                                              padding_side="left"))
-            model.set_params("tp-shift", s=-apps[0].params["s"])
-            runs.append(model.run_with_hooks(PROMPTS, apps=[["tp-shift"], ["tp-shift"], []], padding_side="left"))
         finally:
             for app in apps:
                 model.uninstall(app.name)
     (a1, b1), (a2, b2) = runs[:2], runs[2:]
     for one, two in ((a1, a2), (b1, b2)):
         torch.testing.assert_close(two.result, one.result, **TOL)
+        assert two.outputs.keys() == one.outputs.keys()
         for app in one.outputs:
             for key in one.outputs[app]:
                 torch.testing.assert_close(two.outputs[app][key], one.outputs[app][key], equal_nan=True, **TOL)
     assert not torch.allclose(a1.result, b1.result)  # the apps did something
-    assert "tp-shift" not in tp2.engine.runtime.installed
+    assert not any(name.startswith(prefix) for name in ranks.engine.runtime.installed)
 
 
 def test_reads_come_home_from_rank_0_only(tp2):

@@ -15,7 +15,6 @@ import torch
 
 from ..control import AppInfo
 from ..engine import PassResults
-from .runtime import merge_stage_reads
 
 
 def on_runtime(worker, path: str, args: bytes | None):
@@ -42,6 +41,16 @@ def unembedding_of(worker, d_vocab: int):
     if not get_pp_group().is_last_rank:
         return None
     return tuple(t.cpu().contiguous() for t in unembedding(worker.model_runner.model, d_vocab))
+
+
+def merge_stage_reads(answers: list[dict]) -> dict:
+    """take_served_reads's answers of a pipeline's stages, as one: each stage answers every reading
+    request, in the same order, with the reads at its own hook points; a request's are all stages'
+    reads of each of its prompts. (Stages agree on which they answer later: None on all.)"""
+    return {api_id: None if answers[0][api_id] is None else
+            [(entries[0][0], [read for _, reads in entries for read in reads])
+             for entries in zip(*(taken[api_id] for taken in answers))]
+            for api_id in answers[0]}
 
 
 def _saved(args: tuple) -> bytes:

@@ -651,16 +651,6 @@ def _put(spec, rows: torch.Tensor, positions: torch.Tensor, values: torch.Tensor
     spec.row_buffer[touched] = per_request[:, None, :]  # and for the request's generated tokens
 
 
-def merge_stage_reads(answers: list[dict]) -> dict:
-    """take_served_reads's answers of a pipeline's stages, as one: each stage answers every reading
-    request, in the same order, with the reads at its own hook points; a request's are all stages'
-    reads of each of its prompts. (Stages agree on which they answer later: None on all.)"""
-    return {api_id: None if answers[0][api_id] is None else
-            [(entries[0][0], [read for _, reads in entries for read in reads])
-             for entries in zip(*(taken[api_id] for taken in answers))]
-            for api_id in answers[0]}
-
-
 def _check_stores_stay(ops_by_hook_point: dict[str, list[LoweredOp]], stages: dict[str, int]) -> None:
     """Under pipeline parallelism a value a hook keeps on the device (a store) is read only by ops
     of the same stage: no stage sees another's stores. Every stage checks the same ops against the

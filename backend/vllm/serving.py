@@ -42,7 +42,7 @@ from xmix_lens.request_choice import asks_for_apps, chosen_apps, reads_wanted, s
 
 from ..engine import reads_json
 from .adapter import rpc_on_every_engine
-from .runtime import merge_stage_reads
+from .remote import merge_stage_reads
 
 logger = init_logger("vllm.xmix_lens")
 SALTED_PATHS = ("/v1/completions", "/v1/chat/completions")  # the requests whose cache_salt vLLM honours
@@ -312,7 +312,7 @@ def engine_reads(engines: list[list[tuple[dict | None, int, float]]]) -> tuple[l
     """One fetch's answer from each engine's workers: each engine's reads, the reads held and the
     seconds taken (each engine's most, summed). The workers that deliver reads (each pipeline stage's
     first tensor-parallel rank; the others answer None) hold those of their stage's hook points
-    (runtime.merge_stage_reads)."""
+    (remote.merge_stage_reads)."""
     answers = []
     for workers in engines:
         delivered = [answer for answer in workers if answer[0] is not None]

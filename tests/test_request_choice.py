@@ -6,6 +6,7 @@ import re
 
 import numpy as np
 import pytest
+import torch
 
 from xmix_lens.backend.engine import reads_json
 from xmix_lens.backend.vllm import serving
@@ -194,6 +195,30 @@ def test_reads_from_pipeline_stages_are_merged_per_prompt():
     answers, held, seconds = serving.engine_reads([[stage0, stage1]])
     assert answers == [{"cmpl-a": [(0, ["a0 early", "a0 late"]), (1, ["a1 early"])], "cmpl-b": None}]
     assert (held, seconds) == (2, 0.5)
+
+
+def test_a_request_answered_later_keeps_its_reads_for_that_fetch(served, monkeypatch):
+    """A fetch that finds a request's reads not computed yet (asked early) or not home answers None and
+    keeps them, and the request: the next fetch gets them."""
+    runtime = served["tiny-llama"].engine.runtime
+    control = runtime.control
+    req_id, api_id = "cmpl-later-0-abcd", "cmpl-later"
+    runtime.reading[req_id] = ("prompt_end", 3)
+    runtime._reading_of[api_id] = {req_id}
+    computed, home = [False], [True]
+    monkeypatch.setattr(control, "kept_computed", lambda r: computed[0])
+    monkeypatch.setattr(control, "bring_home", lambda reqs: [home[0]] * len(reqs))
+    monkeypatch.setattr(control, "take_results", lambda reqs: [{("probe", ("score",)): (torch.tensor([2]), torch.zeros(1, 2))}
+                                                             for _ in reqs])
+    monkeypatch.setattr(control, "forget", lambda r: None)
+    assert runtime.take_served_reads([api_id], early=[api_id]) == {api_id: None}
+    computed[0], home[0] = True, False
+    assert runtime.take_served_reads([api_id]) == {api_id: None}  # a step of it still on the device
+    assert runtime.reading[req_id] and runtime._reading_of[api_id] == {req_id}
+    home[0] = True
+    ((index, reads),) = runtime.take_served_reads([api_id])[api_id]
+    assert index == 0 and [(app, key, positions) for app, key, positions, _ in reads] == [("probe", ["score"], [2])]
+    assert req_id not in runtime.reading and api_id not in runtime._reading_of
 
 
 def test_each_engine_keeps_its_scratch_workspace_and_steps_with_it(served):

@@ -254,8 +254,10 @@ class SiteRuntime:
         results = dict(zip(ready, self.control.take_results(ready)))
         taken = {}
         for api_id, req_ids in wanted.items():
-            taken[api_id] = None if api_id in later else \
-                [self._served_reads(api_id, req_id, results[req_id]) for req_id in sorted(req_ids)]
+            if api_id in later:
+                taken[api_id] = None
+                continue
+            taken[api_id] = [self._served_reads(api_id, req_id, results[req_id]) for req_id in sorted(req_ids)]
             running = api_id in early
             for req_id in req_ids:
                 self._forget_served(req_id, keep_apps=running and req_id not in self.finished_reading)

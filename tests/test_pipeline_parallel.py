@@ -100,3 +100,17 @@ def test_evaluation_rows_under_pp2_equal_one_rank(pp1, pp2, tmp_path):
     read1, read2 = one["probe"]["reads"]["probe"]["score"], two["probe"]["reads"]["probe"]["score"]
     assert read2["positions"] == read1["positions"]
     torch.testing.assert_close(torch.tensor(read2["values"]), torch.tensor(read1["values"]), **TOL)
+
+
+def test_a_shut_down_engine_leaves_no_socket_that_blocks_collection(pp2):
+    """(Last in the module: it stops the engine.) vLLM's multiprocess executor leaves its message
+    queues' zmq sockets open; once the stopped engine was garbage, collecting their zmq context
+    waited for them forever, and the next engine's shutdown (which collects garbage) hung the suite."""
+    from xmix_lens.backend.vllm import adapter
+
+    executor = adapter._executor(pp2.engine.llm)
+    queues = [executor.rpc_broadcast_mq, *executor.response_mqs, *(w.worker_response_mq for w in executor.workers)]
+    sockets = [socket for queue in filter(None, queues) for socket in adapter._queue_sockets(queue)]
+    assert sockets
+    pp2.shutdown()
+    assert all(socket.closed for socket in sockets)

@@ -45,7 +45,23 @@ def bind(llm):
 
 
 def shutdown_workers(llm) -> None:
-    _executor(llm).shutdown()
+    executor = _executor(llm)
+    queues = [getattr(executor, "rpc_broadcast_mq", None), *(getattr(executor, "response_mqs", None) or [])]
+    queues += [w.worker_response_mq for w in getattr(executor, "workers", None) or []]
+    executor.shutdown()
+    # vLLM's multiprocess executor leaves its message queues' zmq sockets open: once the engine is
+    # garbage, collecting the zmq context waits for them forever (its sockets linger). Closed now.
+    for queue in filter(None, queues):
+        for socket in _queue_sockets(queue):
+            socket.context.destroy(linger=0)
+
+
+def _queue_sockets(queue) -> list:
+    """The zmq sockets of one of vLLM's shared-memory message queues (its own, its notifier's)."""
+    import zmq
+
+    owners = [queue, getattr(queue, "_spin_condition", None)]
+    return [value for owner in filter(None, owners) for value in vars(owner).values() if isinstance(value, zmq.Socket)]
 
 
 # vLLM 0.26's GPU worker makes a process-wide scratch workspace as it starts (vllm.v1.worker.workspace:

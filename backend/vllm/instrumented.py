@@ -93,6 +93,8 @@ class _Instrumented:
     def __init__(self, *, vllm_config, prefix: str = ""):
         if FAMILIES[self.family].moe:
             adapter.ensure_expert_group()
+            if vllm_config.device_config.device_type == "cpu":
+                adapter.cpu_experts_unpacked_where_amx_cannot()
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         # TransformerLens's processing (fold_ln) can give an unembedding bias b_U, which the family's
         # output layer lacks; the processed folder's config says so (tl_surface.UNEMBEDDING_BIAS)

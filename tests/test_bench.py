@@ -333,3 +333,22 @@ def test_host_memory_harness_compares_a_research_engine_with_vllms_own(tmp_path)
     touched = result["research"]["touched"]
     assert (touched["W_E"], touched["W_U"], touched["cache"]) == ("cpu",) * 3 and touched["tl_parameters"] > 0
     assert result["research_over_native_gib"] < 2.0
+
+
+def test_startup_harness_times_each_start_in_a_process_of_its_own(tmp_path):
+    """bench/startup.py on the tiny Llama (eager engines, fp32): a cold and a warm start of a research
+    engine, each with its imports and vLLM's engine phases, which happened inside the process's wall
+    time (the native kind's start is the same code with vllm.LLM in place of from_pretrained)."""
+    from bench import startup
+
+    out = tmp_path / "startup.json"
+    startup.main(["--model", str(tiny_llama()), "--dtype", "float32", "--eager", "--warm", "1", "--kinds", "research",
+                  "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert "native" not in result
+    for run in [result["research"]["cold"], *result["research"]["warm"]]:
+        phases = run["phases_s"]
+        assert {"LLM.__init__", "Worker.load_model", "in_python"} <= set(phases)
+        assert 0 < phases["Worker.load_model"] < phases["LLM.__init__"] < phases["in_python"] < run["ready_s"]
+        assert 0 < run["imports_s"] < run["ready_s"]
+    assert len(result["research"]["warm"]) == 1

@@ -11,7 +11,7 @@ this run), the next `--warm` ones reuse those caches, as a second session on the
 A start reports its wall time to the engine's first answer (`ready_s`, measured by this process,
 interpreter start included), the seconds of its imports (`-X importtime`, top-level modules) and of
 vLLM's engine phases, timed by wrapping vLLM's worker and runner methods in the child only:
-device init, model load, profile run, KV-cache set-up, compile-or-warm-up, graph capture. Phases
+device init, model load, profile run, KV-cache set-up, compile-or-warm-up, kernel warm-up, graph capture. Phases
 nest (capture runs inside compile-or-warm-up) and imports happen inside them, so they do not add up.
 """
 import argparse
@@ -31,7 +31,8 @@ import torch
 
 from bench import write_result
 
-# module -> class -> the methods whose seconds a start reports (only those the class itself defines)
+# module -> class (None: the module's own functions) -> the methods whose seconds a start reports (only those
+# the class itself defines)
 PHASES = {
     "vllm.v1.worker.gpu_worker": {"Worker": ("init_device", "load_model", "determine_available_memory",
                                              "initialize_from_config", "compile_or_warm_up_model")},
@@ -40,6 +41,7 @@ PHASES = {
     "vllm.v1.worker.gpu.model_runner": {"GPUModelRunner": ("profile_run", "capture_model")},
     "vllm.v1.worker.gpu_model_runner": {"GPUModelRunner": ("profile_run", "capture_model")},
     "vllm.entrypoints.llm": {"LLM": ("__init__",)},
+    "vllm.model_executor.warmup.kernel_warmup": {None: ("kernel_warmup",)},  # a module function
 }
 READY = "STARTUP_READY "
 
@@ -64,10 +66,11 @@ class _TimePhases(importlib.abc.MetaPathFinder):
         def exec_module(module):
             run_module(module)
             for class_name, methods in PHASES[name].items():
-                cls = getattr(module, class_name)
+                owner = module if class_name is None else getattr(module, class_name)
                 for method in methods:
-                    if method in vars(cls):
-                        setattr(cls, method, self._timed(getattr(cls, method), f"{class_name}.{method}"))
+                    if method in vars(owner):
+                        label = method if class_name is None else f"{class_name}.{method}"
+                        setattr(owner, method, self._timed(getattr(owner, method), label))
 
         spec.loader.exec_module = exec_module
         return spec

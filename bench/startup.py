@@ -1,6 +1,6 @@
 """Start-up of a research engine against an unhooked vLLM engine of the same model: where the seconds go.
 
-    python -m bench.startup --model DIR --out results.json           # DIR: an HF checkpoint
+    python -m bench.startup --model DIR --out results.json           # DIR: an HF checkpoint (or smollm2-135m)
     python -m bench.startup --model DIR --dummy --warm 2 ...         # a config folder, random weights (GPU)
 
 Each start is a process of its own, as a notebook kernel's first cell: `python` until the engine
@@ -30,6 +30,7 @@ import time
 import torch
 
 from bench import write_result
+from xmix_lens.model_files import resolve_model
 
 # module -> class (None: the module's own functions) -> the methods whose seconds a start reports (only those
 # the class itself defines)
@@ -164,6 +165,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--child", choices=("native", "research"), help=argparse.SUPPRESS)
     parser.add_argument("--out")
     args = parser.parse_args(argv)
+    args.model = str(resolve_model(args.model))  # a name from_pretrained takes ("smollm2-135m") or a folder
     if args.child:
         print(READY + json.dumps(child(args)), flush=True)
         return {}

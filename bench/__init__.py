@@ -16,6 +16,23 @@ def _plain(value):
     return value.item()
 
 
+def child_engine_parser(description: str):
+    """The command line of a bench whose engines run in processes of their own (bench/host_memory.py,
+    bench/startup.py): the model, its dtype and weights, the engines' flags, and the hidden --child
+    (which engine a child process builds)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dummy", action="store_true", help="load_format=dummy (random weights)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.4)
+    parser.add_argument("--eager", action="store_true", help="enforce_eager engines (a quick CPU run)")
+    parser.add_argument("--child", choices=("native", "research"), help=argparse.SUPPRESS)
+    parser.add_argument("--out")
+    return parser
+
+
 def child_engine_kwargs(args, **given) -> dict:
     """vLLM's engine arguments for a bench's engine in a process of its own (bench/host_memory.py,
     bench/startup.py): `given`, then the flags those benches share (--eager, --dummy, and the

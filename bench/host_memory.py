@@ -12,14 +12,13 @@ exits), the same way:
 Each reports its resident set (VmRSS) after the build and after the touches, and its peak (VmHWM).
 `research_over_native_gib` is what xmix-lens holds on the host beyond vLLM.
 """
-import argparse
 import json
 import subprocess
 import sys
 
 import torch
 
-from bench import child_engine_kwargs, run_header, write_result
+from bench import child_engine_kwargs, child_engine_parser, run_header, write_result
 
 GIB = 1 << 30
 
@@ -62,15 +61,7 @@ def research(args) -> dict:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--dummy", action="store_true", help="load_format=dummy (random weights)")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.4)
-    parser.add_argument("--eager", action="store_true", help="enforce_eager engines (a quick CPU run)")
-    parser.add_argument("--child", choices=("native", "research"), help=argparse.SUPPRESS)
-    parser.add_argument("--out")
-    args = parser.parse_args(argv)
+    args = child_engine_parser(__doc__.split("\n")[0]).parse_args(argv)
     if args.child:
         print("HOST_MEMORY " + json.dumps((native if args.child == "native" else research)(args)), flush=True)
         return {}

@@ -14,7 +14,6 @@ vLLM's engine phases, timed by wrapping vLLM's worker and runner methods in the 
 device init, model load, profile run, KV-cache set-up, compile-or-warm-up, kernel warm-up, graph capture. Phases
 nest (capture runs inside compile-or-warm-up) and imports happen inside them, so they do not add up.
 """
-import argparse
 import functools
 import importlib.abc
 import importlib.util
@@ -28,7 +27,7 @@ import time
 
 import torch
 
-from bench import child_engine_kwargs, run_header, write_result
+from bench import child_engine_kwargs, child_engine_parser, run_header, write_result
 from xmix_lens.model_files import resolve_model
 
 # module -> class (None: the module's own functions) -> the methods whose seconds a start reports (only those
@@ -143,18 +142,11 @@ def start(args, kind: str, caches: str) -> dict:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--dummy", action="store_true", help="load_format=dummy (random weights)")
+    parser = child_engine_parser(__doc__.split("\n")[0])
     parser.add_argument("--max-model-len", type=int, default=256)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.4)
     parser.add_argument("--engine-args", default="{}", help="more of vLLM's engine arguments, as JSON, for both kinds")
     parser.add_argument("--warm", type=int, default=2, help="warm starts of each kind after its cold one")
     parser.add_argument("--kinds", default="native,research", help="which starts, comma-separated")
-    parser.add_argument("--eager", action="store_true", help="enforce_eager engines (a quick CPU run)")
-    parser.add_argument("--child", choices=("native", "research"), help=argparse.SUPPRESS)
-    parser.add_argument("--out")
     args = parser.parse_args(argv)
     args.model = str(resolve_model(args.model))  # a name from_pretrained takes ("smollm2-135m") or a folder
     if args.child:

@@ -2,6 +2,8 @@
 (tests/integration/test_hooks.py, test_cache_hook_names.py) onto a local tiny Llama, plus what a
 served model must add: hooks run as lowered programs (no user Python in the engine's forward),
 no recompilation when hooks change, and clear errors that leave the engine usable."""
+import sys
+
 import pytest
 import torch
 from vllm.compilation.counter import compilation_counter
@@ -291,3 +293,39 @@ def test_bad_model_arguments_fail_before_any_engine():
         HookedServedModel.from_pretrained("smollm2-135m", dtype="int8")
     with pytest.raises(ValueError, match="local Hugging Face folder|embedded"):
         HookedServedModel.from_pretrained("meta-llama/Llama-3-8B")
+
+
+def _python_calls(run) -> int:
+    """The Python function calls made while run() runs (sys.setprofile's 'call' events)."""
+    calls = 0
+
+    def count(frame, event, arg):
+        nonlocal calls
+        calls += event == "call"
+
+    sys.setprofile(count)
+    try:
+        run()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+def test_planning_a_call_does_not_grow_with_its_tokens(model):
+    """A hooked call is traced and lowered once, whatever its batch: planning it (tokens to rows,
+    trace, lower, the passes' plans) makes the same Python calls for any prompt length, and at most
+    a few more per row (rows grouped by their app choice, their lengths), never a trace, a
+    lowering or a loop over tokens per row."""
+    v = torch.randn(model.cfg.d_model) * 0.1
+    hooks = [("blocks.0.hook_resid_post", lambda act, hook: act + v),
+             ("blocks.1.hook_attn_out", lambda act, hook: act * 0.5)]
+
+    def planning(batch: int, length: int) -> int:
+        tokens = torch.randint(100, 1000, (batch, length), generator=torch.Generator().manual_seed(0))
+        with model.hooks(fwd_hooks=hooks):
+            return _python_calls(lambda: model.planner.forward_call(model._rows(tokens, None, None, None), "loss"))
+
+    planning(2, 8)  # first use: imports and caches
+    small = planning(2, 8)
+    assert planning(2, 128) == small
+    assert small < planning(64, 8) == planning(64, 128) <= small + 4 * 62

@@ -4,6 +4,7 @@ cache, attention patterns, writes at residual, attention and MLP points, generat
 padding sides; the seven shipped apps resident in the engine, exported and served.
 
 Each family gets one compiled engine for this module, shut down when it ends (the suite's memory)."""
+import importlib
 import sys
 
 import pytest
@@ -13,16 +14,17 @@ from compat_tests.reference import TLReference
 from compare import PROMPTS, cache_bound, direction, max_diff, real_mask
 from tests.test_serving_config import Server, free_port
 from tests.test_shipped_apps import assert_resident_equals_per_call, shipped_apps
-from tests.tiny_models import (tiny_gemma2, tiny_gemma3, tiny_mistral, tiny_neox, tiny_olmo3, tiny_phi3, tiny_qwen2,
-                               tiny_qwen3, tiny_qwen3_moe)
+from tests.tiny_models import (tiny_gemma2, tiny_gemma3, tiny_mistral, tiny_neox, tiny_olmo2, tiny_olmo3, tiny_phi3,
+                               tiny_qwen2, tiny_qwen3, tiny_qwen3_moe)
 from xmix_lens import HookedServedModel
+from xmix_lens.backend.vllm.sites import FAMILY_SITES
 from xmix_lens.families import FAMILIES
 from xmix_lens.hook_points import is_computed
 from xmix_lens.request_choice import APPS_KEY
 
 FAMILY_MODELS = {"qwen2": tiny_qwen2, "qwen3": tiny_qwen3, "mistral": tiny_mistral, "phi3": tiny_phi3,
                  "gemma2": tiny_gemma2, "gemma3": tiny_gemma3, "gpt_neox": tiny_neox, "qwen3_moe": tiny_qwen3_moe,
-                 "olmo3": tiny_olmo3}
+                 "olmo2": tiny_olmo2, "olmo3": tiny_olmo3}
 # Hook points xmix-lens serves that TransformerLens 4.3's bridge lacks for a family (its Phi-3 and GPT-NeoX
 # adapters have no rotary hooks; the engine's are the query and key its attention layer gets, after the
 # rotary embedding, as on Llama)
@@ -60,6 +62,9 @@ def test_the_family_is_served_by_its_own_record(family):
     assert xl.cfg.family == name
     engine_model = xl.engine.llm.llm_engine.model_config
     assert engine_model.hf_config.architectures[0] in FAMILIES[name].architectures
+    # the vLLM class of the family's placements (OLMo 2's is OLMo 3's: vLLM's own would be its Transformers backend)
+    module, _, vllm_class = FAMILY_SITES[name].model_class.partition(":")
+    assert isinstance(xl.engine.runtime.model_runner.model, getattr(importlib.import_module(module), vllm_class))
 
 
 @pytest.mark.parametrize("padding_side", ["right", "left"])

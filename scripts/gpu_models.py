@@ -46,6 +46,9 @@ FAMILY_SHAPES = {
         hidden_size=2048, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
         intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
         norm_topk_prob=True, vocab_size=151936, tie_word_embeddings=False)),
+    "olmo-2-7b": ("Olmo2Config", "Olmo2ForCausalLM", dict(
+        hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+        intermediate_size=11008, vocab_size=100352, tie_word_embeddings=False)),
     "olmo-3-7b": ("Olmo3Config", "Olmo3ForCausalLM", dict(
         hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
         intermediate_size=11008, vocab_size=100278, sliding_window=4096, tie_word_embeddings=False)),

@@ -100,6 +100,11 @@ def tiny_gemma3(seed: int = 0) -> Path:
     return _tiny_llama_shaped("gemma3", 128, 2, 4, 2, 32, 256, seed)
 
 
+def tiny_olmo2(seed: int = 0) -> Path:
+    """A random OLMo 2 model (OLMo 3's blocks, every layer full attention) with SmolLM2's tokenizer."""
+    return _tiny_llama_shaped("olmo2", 128, 2, 4, 2, 32, 256, seed)
+
+
 def tiny_olmo3(seed: int = 0) -> Path:
     """A random OLMo 3 model (norms after attention and MLP only, none before; RMS norms over the whole
     query and key projections; sliding-window and full layers) with SmolLM2's tokenizer."""
@@ -118,6 +123,7 @@ _LLAMA_SHAPED = {"llama": ("LlamaConfig", "LlamaForCausalLM", {}), "qwen2": ("Qw
                  "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"query_pre_attn_scalar": 24, "sliding_window": 4096,
                                                                       "layer_types": ["sliding_attention",
                                                                                       "full_attention"]}),
+                 "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
                  "olmo3": ("Olmo3Config", "Olmo3ForCausalLM", {"sliding_window": 4096,
                                                               "layer_types": ["sliding_attention", "full_attention"]}),
                  # Gemma 2's scale of the scores: query_pre_attn_scalar (Gemma-2-27B's differs from d_head)

@@ -189,6 +189,9 @@ OLMO3 = replace(
         ("model.layers.{L}.self_attn.k_norm.weight", "as_is", "attn.k_norm.weight"),
     ),
 )
+# OLMo 2: OLMo 3's blocks and weights, every layer full attention (TransformerLens's adapters differ in
+# nothing else); vLLM serves it with OLMo 3's model class (backend/vllm/sites.py says how)
+OLMO2 = replace(OLMO3, name="olmo2", title="OLMo 2", architectures=("Olmo2ForCausalLM",))
 
 # GPT-NeoX (Pythia): parallel attention and MLP, a partial rotary embedding, LayerNorm; its checkpoint's
 # query_key_value holds q, k and v head after head
@@ -217,8 +220,8 @@ NEOX = Family(
     ),
 )
 
-FAMILIES = {family.name: family for family in (LLAMA, MISTRAL, QWEN2, QWEN3, QWEN3_MOE, PHI3, GEMMA2, GEMMA3, OLMO3,
-                                               GPT2, NEOX)}
+FAMILIES = {family.name: family for family in (LLAMA, MISTRAL, QWEN2, QWEN3, QWEN3_MOE, PHI3, GEMMA2, GEMMA3, OLMO2,
+                                               OLMO3, GPT2, NEOX)}
 
 # A checkpoint's config flag: its output layer has a bias, `lm_head.bias` (TransformerLens's b_U), which
 # the family's Hugging Face and vLLM models lack (folding GPT-2's final LayerNorm makes one): the

@@ -11,6 +11,7 @@ CUDA-graph capture), their hook points armed and compiled in: how `vllm serve` g
 engine hands its apps to TP workers (with `"facade": true`: its requests come from the facade in
 its own process, not from an API server).
 """
+import contextlib
 import importlib
 import math
 
@@ -87,6 +88,20 @@ def _pipeline_stages(family: str, n_layers: int) -> tuple[dict[str, int], int]:
     return site_stages(family, n_layers, layers), pp.rank_in_group
 
 
+@contextlib.contextmanager
+def _built_with(vllm_config, model_config):
+    """vLLM's model class built from the config `model_config` makes of the checkpoint's
+    (FamilySites.model_config); the engine itself keeps the checkpoint's."""
+    engine = vllm_config.model_config
+    checkpoints = engine.hf_config
+    if model_config is not None:
+        engine.hf_config = model_config(checkpoints)
+    try:
+        yield
+    finally:
+        engine.hf_config = checkpoints
+
+
 class _Instrumented:
     family: str
 
@@ -95,7 +110,8 @@ class _Instrumented:
             adapter.ensure_expert_group()
             if vllm_config.device_config.device_type == "cpu":
                 adapter.cpu_experts_unpacked_where_amx_cannot()
-        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        with _built_with(vllm_config, FAMILY_SITES[self.family].model_config):
+            super().__init__(vllm_config=vllm_config, prefix=prefix)
         # TransformerLens's processing (fold_ln) can give an unembedding bias b_U, which the family's
         # output layer lacks; the processed folder's config says so (tl_surface.UNEMBEDDING_BIAS)
         self.xmix_unembedding_bias = bool(getattr(vllm_config.model_config.hf_config, UNEMBEDDING_BIAS, False))

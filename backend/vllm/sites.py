@@ -236,6 +236,20 @@ class FamilySites:
 
     model_class: str  # "module:Class", as vLLM's model registry names one; imported only where a model is built
     table: Callable[[int], list[tuple[str, str, dict[str, list[str]]]]]
+    # the Hugging Face config the class is built with, made of the checkpoint's (None: the checkpoint's own)
+    model_config: Callable | None = None
+
+
+def _as_olmo3_config(config):
+    """An OLMo 2 checkpoint's config as OLMo 3's, every layer full attention: vLLM 0.26 serves OLMo 2 only
+    through its Transformers backend, and its OLMo 3 class, which serves the same weights, takes an
+    Olmo3Config only (OLMo 3 keeps rotary parameters per kind of layer)."""
+    from transformers import Olmo3Config
+
+    fields = {k: v for k, v in config.to_dict().items() if k not in ("model_type", "architectures", "transformers_version")}
+    rope = fields.pop("rope_parameters")
+    return Olmo3Config(**fields, layer_types=["full_attention"] * config.num_hidden_layers,
+                       rope_parameters={"full_attention": dict(rope), "sliding_attention": dict(rope)})
 
 
 # One entry per family of xmix_lens.families, by its name
@@ -254,6 +268,7 @@ FAMILY_SITES = {
     "gemma3": FamilySites("vllm.model_executor.models.gemma3:Gemma3ForCausalLM", _gemma2_table),
     # OLMo 3's q/k norms (over the whole projections) run inside its attention's forward: computed points
     "olmo3": FamilySites("vllm.model_executor.models.olmo3:Olmo3ForCausalLM", _olmo3_table),
+    "olmo2": FamilySites("vllm.model_executor.models.olmo3:Olmo3ForCausalLM", _olmo3_table, _as_olmo3_config),
     "gpt2": FamilySites("vllm.model_executor.models.gpt2:GPT2LMHeadModel", _gpt2_table),
     "gpt_neox": FamilySites("vllm.model_executor.models.gpt_neox:GPTNeoXForCausalLM", _neox_table),
 }

@@ -334,6 +334,11 @@ class LateAppGraphs:
         if key != self.key:
             self.key, self.manager = key, ModelCudaGraphManager(base.vllm_config, base.device, base.cudagraph_mode,
                                                                 base.decode_query_len)
+            # vLLM's manager sizes the graphs' output buffer by the first graph it captures, its largest
+            # (it captures all at once); these come as calls need them, a later call's larger than an
+            # earlier's: the buffers of vLLM's own largest graph (every size here is one of vLLM's)
+            self.manager.hidden_states = torch.empty_like(base.hidden_states)
+            self.manager.aux_hidden_states = [torch.empty_like(x) for x in base.aux_hidden_states]
         wanted = [d for d in full if d.num_tokens <= fits[0] and d not in self.manager.graphs]
         if not wanted:
             return

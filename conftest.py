@@ -83,7 +83,7 @@ else:
     sys.meta_path.insert(0, _AfterImport("vllm.platforms.cpu", _cap_kv_cache))
 
 from tests.tiny_models import (tiny_gemma2, tiny_gemma3, tiny_gpt2, tiny_llama, tiny_mistral, tiny_neox,  # noqa: E402
-                               tiny_olmo3, tiny_phi3, tiny_qwen2, tiny_qwen3, tiny_qwen3_moe)
+                               tiny_olmo2, tiny_olmo3, tiny_phi3, tiny_qwen2, tiny_qwen3, tiny_qwen3_moe)
 from xmix_lens.model_files import ensure_smollm2  # noqa: E402
 
 MODEL_DIRS = {
@@ -99,6 +99,7 @@ MODEL_DIRS = {
     "tiny-gemma2": tiny_gemma2,
     "tiny-gemma3": tiny_gemma3,
     "tiny-qwen3-moe": tiny_qwen3_moe,
+    "tiny-olmo2": tiny_olmo2,
     "tiny-olmo3": tiny_olmo3,
 }
 

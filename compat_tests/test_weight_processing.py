@@ -6,15 +6,16 @@ weights. Three cases: the tiny Llama with HookedTransformer.from_pretrained's de
 tiny GPT-2 with every flag, and the tiny GPT-2 with fold_ln alone: folding its final LayerNorm gives
 an unembedding bias b_U, which the served output layer then has (families.UNEMBEDDING_BIAS). And
 the families whose checkpoints lay out TransformerLens's weights otherwise: Qwen2 (q, k, v biases),
-Qwen3 (q and k norms), Phi-3 (fused qkv and gate_up projections) and GPT-NeoX (q, k, v head after head;
-an output layer named embed_out)."""
+Qwen3 (q and k norms), Phi-3 (fused qkv and gate_up projections), GPT-NeoX (q, k, v head after head;
+an output layer named embed_out) and OLMo 2 (norms after the sublayers only, served by vLLM's OLMo 3 class)."""
 import pytest
 import torch
 
 from compare import PROMPTS, real_mask
 from compat_tests.reference import TLReference
-from tests.tiny_models import (tiny_gemma2, tiny_gemma3, tiny_gpt2, tiny_llama, tiny_neox, tiny_phi3, tiny_qwen2,
-                               tiny_qwen3)
+from tests.tiny_models import (tiny_gemma2, tiny_gemma3, tiny_gpt2, tiny_llama, tiny_neox, tiny_olmo2, tiny_phi3,
+                               tiny_qwen2, tiny_qwen3)
+from xmix_lens.families import FAMILIES
 
 ATOL = 1e-3  # engine (vLLM, fp32) against TransformerLens (HF eager, fp32) on the tiny models
 CASES = {
@@ -29,6 +30,8 @@ CASES = {
     "tiny-phi3": (tiny_phi3, {"fold_ln": True, "center_writing_weights": True, "center_unembed": True}),
     "tiny-qwen3": (tiny_qwen3, {"fold_ln": True, "center_writing_weights": True, "center_unembed": True}),
     "tiny-gemma3": (tiny_gemma3, {"fold_ln": True, "center_writing_weights": True, "center_unembed": True}),
+    # TransformerLens does not fold OLMo's norms (they follow the sublayers): centring only
+    "tiny-olmo2": (tiny_olmo2, {"center_writing_weights": True, "center_unembed": True}),
     "tiny-neox": (tiny_neox, {"fold_ln": True, "center_writing_weights": True, "center_unembed": True,
                               "fold_value_biases": True}),
 }
@@ -51,7 +54,8 @@ def processed(request):
 def test_processed_logits_and_activations_match_transformer_lens(processed):
     xl, tl, _ = processed
     real = real_mask(tl, tl.to_tokens(PROMPTS), "right")
-    names = ["blocks.1.hook_resid_pre", "blocks.0.ln1.hook_normalized", "blocks.1.attn.hook_v", "ln_final.hook_scale"]
+    norm = "ln1" if "blocks.0.ln1.hook_normalized" in xl.hook_dict else "ln1_post"  # OLMo: norms after the sublayers
+    names = ["blocks.1.hook_resid_pre", f"blocks.0.{norm}.hook_normalized", "blocks.1.attn.hook_v", "ln_final.hook_scale"]
     logits, ours = xl.run_with_cache(PROMPTS, names_filter=names)
     ref_logits, theirs = tl.run_with_cache(PROMPTS, names_filter=names)
     assert (logits - ref_logits).abs()[real].max() < ATOL
@@ -62,9 +66,12 @@ def test_processed_logits_and_activations_match_transformer_lens(processed):
 def test_processed_weights_are_transformer_lens_processed_weights(processed, reference):
     xl, tl, name = processed
     raw = reference[name].bridge
-    # processing changed them: the norm's weight folded in (Llama), the writing weights centred (GPT-2)
-    changed = "W_Q" if xl.processing["fold_ln"] else "W_O"
-    assert (getattr(xl, changed) - getattr(raw, changed)).abs().max() > 0.01
+    if FAMILIES[xl.cfg.family].pre_norms:
+        # processing changed them: the norm's weight folded in (Llama), the writing weights centred (GPT-2)
+        changed = "W_Q" if xl.processing["fold_ln"] else "W_O"
+        assert (getattr(xl, changed) - getattr(raw, changed)).abs().max() > 0.01
+    else:  # norms after the sublayers (OLMo): TransformerLens centres the unembedding only
+        assert xl.W_U.mean(-1).abs().max() < 1e-6 < raw.W_U.mean(-1).abs().max()
     for weight in ("W_Q", "W_K", "W_V", "W_O", "W_in", "W_out", "W_E", "W_U", "b_U"):
         assert torch.allclose(getattr(xl, weight), getattr(tl.bridge, weight), atol=1e-6), weight
     if xl.processing["fold_ln"]:

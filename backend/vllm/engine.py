@@ -275,6 +275,8 @@ class VllmEngine:
         if not tensor_cores:
             W_U = W_U.float()
         b_U = self.b_U.float()
+        if next_tokens is not None:  # one copy: a copy from host memory per block would wait for the block before
+            next_tokens = next_tokens.to(device)
         for r in range(0, B, rows):
             x = normalized[r:r + rows].to(device, W_U.dtype).reshape(-1, d_model)
             block = (torch.mm(x, W_U, out_dtype=torch.float32) if tensor_cores else x @ W_U).view(-1, P, V) + b_U
@@ -283,8 +285,8 @@ class VllmEngine:
             if logits:
                 all_logits[r:r + rows] = block
             if next_tokens is not None:
-                targets = next_tokens[r:r + rows].to(device)
-                nll[r:r + rows] = -block[:, :-1].log_softmax(-1).gather(-1, targets[..., None])[..., 0]
+                targets = next_tokens[r:r + rows, :, None]
+                nll[r:r + rows] = -block[:, :-1].log_softmax(-1).gather(-1, targets)[..., 0]
         return all_logits, nll
 
 

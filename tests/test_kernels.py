@@ -78,6 +78,23 @@ def test_rms_norm_rows_twin_matches_a_loop(gen):
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("softcap", [0.0, 3.0])
+def test_next_token_nll_twin_matches_a_loop(softcap, gen):
+    import math
+    N, V = 4, 6
+    logits, bias = randn(N, V, gen=gen) * 4, randn(V, gen=gen)
+    targets = torch.tensor([5, -1, 0, 2])
+    nll = torch.full((N,), SENTINEL)
+    expected = nll.clone()
+    for n in (0, 2, 3):
+        z = [float(logits[n, v] + bias[v]) for v in range(V)]
+        z = [softcap * math.tanh(x / softcap) for x in z] if softcap else z
+        expected[n] = math.log(sum(math.exp(x) for x in z)) - z[targets[n]]
+
+    kernels.next_token_nll_torch(logits, bias, targets, nll, softcap)
+    torch.testing.assert_close(nll, expected, rtol=1e-5, atol=1e-5)
+
+
 # --- the Triton launchers against the twins ---------------------------------------------------
 # T, R and F are not multiples of the kernels' blocks (16 or 32 rows, 128 features).
 
@@ -248,3 +265,23 @@ def test_rms_norm_rows(dtype, F, gen):
     # rounded to the weight's dtype, then the product: the first rounding's ulp, times a weight
     # up to the next power of 2, is up to two of the output's
     assert_matches(actual[on], expected[on], roundings=3)
+
+
+@pytest.mark.parametrize("softcap", [0.0, 30.0])
+@pytest.mark.parametrize("V", [300, 5000])  # 5000: a vocabulary wider than the kernel's tile, in three
+def test_next_token_nll(softcap, V, gen):
+    N = 37
+    logits = randn(N, V + 3, gen=gen)[:, :V] * 8  # a row stride wider than the row
+    logits[3, 7] = 200.0  # a maximum far above the rest: the running sums must rescale, not overflow
+    bias = randn(V, gen=gen)
+    targets = torch.randint(0, V, (N,), generator=gen)
+    targets[::5] = -1  # a sequence's last position: no next token, nothing written
+    poisoned = torch.full((N,), SENTINEL)
+
+    expected, actual = poisoned.clone(), poisoned.clone()
+    kernels.next_token_nll_torch(logits, bias, targets, expected, softcap)
+    kernels.next_token_nll(logits, bias, targets, actual, softcap)
+
+    off = targets < 0
+    assert torch.equal(actual[off], poisoned[off])
+    assert_matches(actual[~off], expected[~off])

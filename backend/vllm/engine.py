@@ -15,7 +15,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from xmix_lens import app_config, request_choice
+from xmix_lens import app_config, kernels, request_choice
 from xmix_lens.lowered import op_digest
 from xmix_lens.passes import PassPlan
 
@@ -261,13 +261,13 @@ class VllmEngine:
         samples): the logits [B, P, d_vocab] in its dtype if `logits`, and given `next_tokens`
         [B, P - 1] each position's negative log-likelihood of its next token [B, P - 1] in fp32.
         Both on the device of W_U (the engine's), computed a block of rows at a time from the fp32
-        product; only what is asked for is kept."""
+        product; only what is asked for is kept, and the likelihoods never leave the product
+        (kernels/next_token_nll.py reads it once, on a GPU)."""
         B, P, d_model = normalized.shape
         W_U, device = self.W_U, self.W_U.device
         V = W_U.shape[1]
         rows = max(1, self.UNEMBED_BLOCK // (P * V))
         all_logits = torch.empty(B, P, V, dtype=normalized.dtype, device=device) if logits else None
-        nll = torch.empty(B, P - 1, device=device) if next_tokens is not None else None
         # half-precision activations and lm_head hold values of their dtype exactly: on a GPU the
         # product runs in that dtype on the tensor cores, accumulated and returned in fp32 (the fp32
         # product's values up to summation order, several times faster than cuBLAS's fp32 GEMM)
@@ -275,20 +275,25 @@ class VllmEngine:
         if not tensor_cores:
             W_U = W_U.float()
         b_U = self.b_U.float()
-        if next_tokens is not None:  # one copy: a copy from host memory per block would wait for the block before
-            next_tokens = next_tokens.to(device)
+        nll = targets = None
+        if next_tokens is not None:  # every position's next token; a row's last has none (-1)
+            nll = torch.empty(B, P, device=device)
+            targets = torch.full((B, P), -1, dtype=torch.int64)
+            targets[:, :-1] = next_tokens
+            targets = targets.to(device)  # one copy: a copy from host memory per block would wait for the block before
+        next_token_nll = kernels.next_token_nll if W_U.is_cuda else kernels.next_token_nll_torch
         for r in range(0, B, rows):
             x = normalized[r:r + rows].to(device, W_U.dtype).reshape(-1, d_model)
-            block = (torch.mm(x, W_U, out_dtype=torch.float32) if tensor_cores else x @ W_U).view(-1, P, V) + b_U
-            if self.logit_softcap:
-                block = self.logit_softcap * torch.tanh(block / self.logit_softcap)
+            product = torch.mm(x, W_U, out_dtype=torch.float32) if tensor_cores else x @ W_U
             if logits:
-                all_logits[r:r + rows] = block
+                block = product + b_U
+                if self.logit_softcap:
+                    block = self.logit_softcap * torch.tanh(block / self.logit_softcap)
+                all_logits[r:r + rows] = block.view(-1, P, V)
             if next_tokens is not None:
-                targets = next_tokens[r:r + rows, :, None]
-                nll[r:r + rows] = -block[:, :-1].log_softmax(-1).gather(-1, targets)[..., 0]
-        return all_logits, nll
-
+                next_token_nll(product, b_U, targets[r:r + rows].reshape(-1), nll[r:r + rows].view(-1),
+                               self.logit_softcap or 0.0)
+        return all_logits, nll[:, :-1] if nll is not None else None
 
 def row_salts(plan: PassPlan) -> list[str | None]:
     """vLLM's prefix-cache salt for each row of a pass.

@@ -15,8 +15,8 @@ code does; TransformerLens otherwise records autograd graphs). Each task runs on
 then --repeats times, alternating the two. The ratio is TransformerLens's seconds over xmix-lens's.
 The same engine's vLLM, without hooks (`LLM.generate` of the same prompts: one token for the forward
 tasks, the new tokens for generate), is timed beside them as the floor a hooked call could reach.
-With --profile, each task runs once more on xmix-lens under cProfile (the host functions with the
-most own time) and, on a GPU, under torch's profiler (the device's kernel time and launches against
+With --profile, each task runs once more on xmix-lens and on vLLM without hooks under cProfile (the
+host functions with the most own time) and, on a GPU, under torch's profiler (the device's kernel time and launches against
 the call's wall time: whether the call waits on the host or on the GPU).
 """
 import argparse
@@ -79,7 +79,7 @@ def native_vllm(model, tokens: torch.Tensor, max_tokens: int) -> int:
     return sum(len(o.outputs[0].token_ids) for o in outs)
 
 
-def host_profile(run, top: int = 25) -> dict:
+def host_profile(run, top: int = 40) -> dict:
     """One run under cProfile: the functions with the most own time, and xmix-lens's own functions
     with the most time inside them (`cumulative`)."""
     profiler = cProfile.Profile()
@@ -200,10 +200,11 @@ def main(argv=None) -> dict:
                                  "prompts_per_s_tl": len(t) / tl_s, "speedup_vs_tl": tl_s / ours_s,
                                  "native_vllm_over_xmix": native_s / ours_s, "answer": answers}
         if args.profile:
-            with torch.no_grad():
-                result["tasks"][name]["host_profile"] = host_profile(lambda: on_ours(t))
-                if device == "cuda":
-                    result["tasks"][name]["device_profile"] = device_profile(lambda: on_ours(t))
+            with torch.no_grad():  # vLLM without hooks too: what a hooked call adds is the difference
+                for who, run in (("", on_ours), ("_native", on_native)):
+                    result["tasks"][name]["host_profile" + who] = host_profile(lambda: run(t))
+                    if device == "cuda":
+                        result["tasks"][name]["device_profile" + who] = device_profile(lambda: run(t))
         print(f"{name}: xmix-lens {ours_s:.2f} s, TransformerLens {tl_s:.2f} s: {tl_s / ours_s:.1f}x; "
               f"vLLM without hooks {native_s:.2f} s", flush=True)
     write_result(result, args.out)

@@ -241,6 +241,7 @@ def test_research_harness_runs_each_task_on_both_and_they_agree(tmp_path):
         assert task["native_vllm_over_xmix"] > 0 and len(task["seconds"]["vllm_native"]) == 1, name
         assert task["host_profile"]["own"] and any("engine.py" in row["function"]
                                                    for row in task["host_profile"]["cumulative"])
+        assert task["host_profile_native"]["own"]  # vLLM without hooks, profiled beside it
     cache, steer, generate = (result["tasks"][n]["answer"] for n in ("cache", "steer", "generate"))
     assert cache["xmix_lens"] == pytest.approx(cache["transformer_lens"], rel=1e-4)
     assert steer["xmix_lens"] == pytest.approx(steer["transformer_lens"], rel=1e-4)

@@ -26,6 +26,7 @@ import pstats
 import statistics
 import sys
 import time
+import uuid
 
 import torch
 
@@ -66,17 +67,22 @@ def tasks(size: dict, n_layers: int):
     return cached, {"cache": cache, "steer": steer, "generate": generate}
 
 
-def native_vllm(model, tokens: torch.Tensor, max_tokens: int) -> int:
+def native_vllm(model, tokens: torch.Tensor, max_tokens: int) -> dict:
     """The engine's vLLM without hooks over the same prompts (CUDA graphs, the compiled model):
-    the tokens it generated."""
+    the tokens it generated, and those it took from the prefix cache (none). Every prompt token is
+    computed, as a hooked call computes it: a fresh prefix-cache salt per call, or vLLM would serve
+    each repeat's prompts from the cache the one before filled (all but a prompt's last token:
+    1/64 of the forward work on the forward tasks)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False,
                             skip_clone=True)  # as the facade's calls send them
-    outs = model.engine.llm.generate([TokensPrompt(prompt_token_ids=row.tolist()) for row in tokens], params,
-                                     use_tqdm=False)
-    return sum(len(o.outputs[0].token_ids) for o in outs)
+    salt = uuid.uuid4().hex
+    outs = model.engine.llm.generate([TokensPrompt(prompt_token_ids=row.tolist(), cache_salt=salt) for row in tokens],
+                                     params, use_tqdm=False)
+    return {"generated": sum(len(o.outputs[0].token_ids) for o in outs),
+            "cached": sum(o.num_cached_tokens or 0 for o in outs)}
 
 
 def host_profile(run, top: int = 40) -> dict:

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 TILE = 2048  # vocabulary entries a program holds at once
-FLOOR: tl.constexpr = -3.0e38  # below any logit
+FLOOR = tl.constexpr(-3.0e38)  # below any logit
 
 
 @triton.jit

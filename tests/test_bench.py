@@ -250,6 +250,25 @@ def test_research_harness_runs_each_task_on_both_and_they_agree(tmp_path):
     assert set(many["transformer_lens"]) == {many["xmix_lens"]} and len(many["transformer_lens"]) == 2
 
 
+
+def test_the_research_baseline_computes_every_prompt_token_as_a_hooked_call_does(served):
+    """vLLM without hooks is timed on the prompts the hooked call just ran, again at every repeat:
+    unsalted, it would take all but their last block from the prefix cache, a fraction of the work."""
+    import torch
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from bench import research
+
+    model = served["tiny-llama"]
+    tokens = torch.randint(100, 200, (3, 200), generator=torch.Generator().manual_seed(5))
+    assert [research.native_vllm(model, tokens, 1)["cached"] for _ in range(2)] == [0, 0]
+    # the same prompts unsalted: the second time they come from the cache the first filled
+    prompts = [TokensPrompt(prompt_token_ids=row.tolist()) for row in tokens]
+    for _ in range(2):
+        outs = model.engine.llm.generate(prompts, SamplingParams(max_tokens=1), use_tqdm=False)
+    assert all(o.num_cached_tokens > 0 for o in outs)
+
 @pytest.mark.parametrize("busy", [[], ["--busy-thread"], ["--evict-caches", "4"]],
                          ids=["alone", "busy_thread", "evict_caches"])
 def test_host_step_harness_times_prepare_step_with_requests_coming_and_going(busy):

@@ -13,8 +13,10 @@ TransformerBridge, compatibility mode without weight processing: the weights vLL
 batches of --tl-batch, with its KV cache for generate. Both run under torch.no_grad (as research
 code does; TransformerLens otherwise records autograd graphs). Each task runs once to warm up,
 then --repeats times, alternating the two. The ratio is TransformerLens's seconds over xmix-lens's.
-The same engine's vLLM, without hooks (`LLM.generate` of the same prompts: one token for the forward
-tasks, the new tokens for generate), is timed beside them as the floor a hooked call could reach.
+The same engine's vLLM, without hooks (`LLM.generate` of the same prompts, every prompt token
+computed: one token for the forward tasks, the new tokens for generate, and for the loss task each
+prompt token's log-probability, the loss's own work), is timed beside them as the floor a hooked
+call could reach.
 With --profile, each task runs once more on xmix-lens and on vLLM without hooks under cProfile (the
 host functions with the most own time) and, on a GPU, under torch's profiler (the device's kernel time and launches against
 the call's wall time: whether the call waits on the host or on the GPU).
@@ -67,22 +69,28 @@ def tasks(size: dict, n_layers: int):
     return cached, {"cache": cache, "steer": steer, "generate": generate}
 
 
-def native_vllm(model, tokens: torch.Tensor, max_tokens: int) -> dict:
+def native_vllm(model, tokens: torch.Tensor, max_tokens: int, loss: bool = False) -> dict:
     """The engine's vLLM without hooks over the same prompts (CUDA graphs, the compiled model):
     the tokens it generated, and those it took from the prefix cache (none). Every prompt token is
     computed, as a hooked call computes it: a fresh prefix-cache salt per call, or vLLM would serve
     each repeat's prompts from the cache the one before filled (all but a prompt's last token:
-    1/64 of the forward work on the forward tasks)."""
+    1/64 of the forward work on the forward tasks). With `loss`, vLLM also computes what
+    `return_type="loss"` returns, as a vLLM user gets it: each prompt token's log-probability
+    (`prompt_logprobs=0`), and `loss` is the mean of their negatives."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False,
-                            skip_clone=True)  # as the facade's calls send them
+                            skip_clone=True, prompt_logprobs=0 if loss else None)  # as the facade's calls send them
     salt = uuid.uuid4().hex
     outs = model.engine.llm.generate([TokensPrompt(prompt_token_ids=row.tolist(), cache_salt=salt) for row in tokens],
                                      params, use_tqdm=False)
-    return {"generated": sum(len(o.outputs[0].token_ids) for o in outs),
-            "cached": sum(o.num_cached_tokens or 0 for o in outs)}
+    result = {"generated": sum(len(o.outputs[0].token_ids) for o in outs),
+              "cached": sum(o.num_cached_tokens or 0 for o in outs)}
+    if loss:  # the first position has no log-probability (nothing before it)
+        nll = [-entry[token].logprob for o in outs for token, entry in zip(o.prompt_token_ids[1:], o.prompt_logprobs[1:])]
+        result["loss"] = sum(nll) / len(nll)
+    return result
 
 
 def host_profile(run, top: int = 40) -> dict:
@@ -184,7 +192,7 @@ def main(argv=None) -> dict:
     for name, (on_ours, on_tl) in calls.items():
         t = inputs[name]
         new_tokens = size["new"] if name.startswith("generate") else 1
-        on_native = lambda t: native_vllm(ours, t, new_tokens)  # noqa: E731
+        on_native = lambda t: native_vllm(ours, t, new_tokens, loss=name == "steer")  # noqa: E731
         warm = t[: max(2, len(t) // 10)]
         with torch.no_grad():
             on_ours(warm), on_tl(warm), on_native(warm)

@@ -263,6 +263,9 @@ def test_the_research_baseline_computes_every_prompt_token_as_a_hooked_call_does
     model = served["tiny-llama"]
     tokens = torch.randint(100, 200, (3, 200), generator=torch.Generator().manual_seed(5))
     assert [research.native_vllm(model, tokens, 1)["cached"] for _ in range(2)] == [0, 0]
+    # the loss task's baseline computes the loss a call without hooks returns
+    native = research.native_vllm(model, tokens, 1, loss=True)
+    assert native["loss"] == pytest.approx(float(model(tokens, return_type="loss")), rel=1e-5)
     # the same prompts unsalted: the second time they come from the cache the first filled
     prompts = [TokensPrompt(prompt_token_ids=row.tolist()) for row in tokens]
     for _ in range(2):

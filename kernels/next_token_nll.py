@@ -76,8 +76,9 @@ def next_token_nll(logits, bias, targets, nll, softcap: float = 0.0) -> None:
 
 def next_token_nll_torch(logits, bias, targets, nll, softcap: float = 0.0) -> None:
     """The same in plain torch (what the CPU engine runs): log_softmax, then the target's entry."""
-    live = targets >= 0
-    z = logits[live] + bias
+    z = logits + bias  # every row, then the live ones kept: a masked copy first would pass over the logits again
     if softcap:
         z = softcap * torch.tanh(z / softcap)
-    nll[live] = -z.log_softmax(-1).gather(-1, targets[live, None])[:, 0]
+    every = -z.log_softmax(-1).gather(-1, targets.clamp(min=0)[:, None])[:, 0]
+    live = targets >= 0
+    nll[live] = every[live]

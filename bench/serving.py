@@ -396,8 +396,8 @@ def summarise(runs: dict) -> dict:
 
 PROFILED_PROMPT_LEN, PROFILED_STEPS = 16, 4  # the decode steps profiled: after prompts this short
 # every Triton kernel in kernels/ (tests/test_bench.py checks the list against them)
-XMIX_KERNELS = ("affine_write_kernel", "affine_write_row_kernel", "gather_rows_kernel", "program_kernel",
-                "project_read_kernel", "project_read_row_kernel", "rms_norm_rows_kernel")
+XMIX_KERNELS = ("affine_write_kernel", "affine_write_row_kernel", "gather_rows_kernel", "next_token_nll_kernel",
+                "program_kernel", "project_read_kernel", "project_read_row_kernel", "rms_norm_rows_kernel")
 
 
 def idle_time(intervals: list[tuple[float, float]]) -> float:

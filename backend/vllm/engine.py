@@ -295,6 +295,7 @@ class VllmEngine:
                                self.logit_softcap or 0.0)
         return all_logits, nll[:, :-1] if nll is not None else None
 
+
 def row_salts(plan: PassPlan) -> list[str | None]:
     """vLLM's prefix-cache salt for each row of a pass.
 

@@ -94,15 +94,25 @@ def native_vllm(model, tokens: torch.Tensor, max_tokens: int, loss: bool = False
 
 
 def host_profile(run, top: int = 40) -> dict:
-    """One run under cProfile: the functions with the most own time, and xmix-lens's own functions
-    with the most time inside them (`cumulative`)."""
+    """One run under cProfile: its wall time, the own time of each package's functions summed
+    (`own_by_package`: where a hooked call's extra host time goes, beside vLLM's own call's), the
+    functions with the most own time, and xmix-lens's own functions with the most time inside them
+    (`cumulative`)."""
     profiler = cProfile.Profile()
+    start = time.perf_counter()
     profiler.runcall(run)
+    wall = time.perf_counter() - start
     rows = [{"function": f"{file.rsplit('site-packages/', 1)[-1]}:{line}:{name}", "calls": calls,
              "own_s": round(own, 4), "cumulative_s": round(cumulative, 4)}
             for (file, line, name), (_, calls, own, cumulative, _) in pstats.Stats(profiler).stats.items()]
     ours = [r for r in rows if "xmix_lens/" in r["function"] or "backend/" in r["function"]]
-    return {"own": sorted(rows, key=lambda r: -r["own_s"])[:top],
+    by_package: dict[str, float] = {}
+    for r in rows:
+        package = next((p for p in ("xmix_lens/", "backend/", "kernels/", "vllm/", "torch/", "triton/")
+                        if p in r["function"]), "builtins and other")
+        by_package[package.rstrip("/")] = by_package.get(package.rstrip("/"), 0.0) + r["own_s"]
+    return {"wall_s": round(wall, 4), "own_by_package": {k: round(v, 4) for k, v in sorted(by_package.items())},
+            "own": sorted(rows, key=lambda r: -r["own_s"])[:top],
             "cumulative": sorted(ours, key=lambda r: -r["cumulative_s"])[:top]}
 
 
@@ -212,15 +222,21 @@ def main(argv=None) -> dict:
                                                                                "vllm_native"))
         result["tasks"][name] = {"seconds": seconds, "prompts": len(t), "prompts_per_s_xmix": len(t) / ours_s,
                                  "prompts_per_s_tl": len(t) / tl_s, "speedup_vs_tl": tl_s / ours_s,
-                                 "native_vllm_over_xmix": native_s / ours_s, "answer": answers}
+                                 "native_vllm_over_xmix": native_s / ours_s,
+                                 # the same, repeat by repeat: a drift of the host's speed over a run
+                                 # (the lent machines' is large) touches both sides of each ratio alike
+                                 "native_vllm_over_xmix_paired": statistics.median(
+                                     n / o for n, o in zip(seconds["vllm_native"], seconds["xmix_lens"])),
+                                 "answer": answers}
         if args.profile:
             with torch.no_grad():  # vLLM without hooks too: what a hooked call adds is the difference
                 for who, run in (("", on_ours), ("_native", on_native)):
                     result["tasks"][name]["host_profile" + who] = host_profile(lambda: run(t))
                     if device == "cuda":
                         result["tasks"][name]["device_profile" + who] = device_profile(lambda: run(t))
-        print(f"{name}: xmix-lens {ours_s:.2f} s, TransformerLens {tl_s:.2f} s: {tl_s / ours_s:.1f}x; "
-              f"vLLM without hooks {native_s:.2f} s", flush=True)
+        print(f"{name}: xmix-lens {ours_s:.3f} s, TransformerLens {tl_s:.3f} s: {tl_s / ours_s:.2f}x; "
+              f"vLLM without hooks {native_s:.3f} s: {native_s / ours_s:.2f} "
+              f"(paired {result['tasks'][name]['native_vllm_over_xmix_paired']:.2f})", flush=True)
     write_result(result, args.out)
     return result
 

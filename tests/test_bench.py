@@ -242,6 +242,8 @@ def test_research_harness_runs_each_task_on_both_and_they_agree(tmp_path):
         assert task["host_profile"]["own"] and any("engine.py" in row["function"]
                                                    for row in task["host_profile"]["cumulative"])
         assert task["host_profile_native"]["own"]  # vLLM without hooks, profiled beside it
+        by_package = task["host_profile"]["own_by_package"]
+        assert by_package["vllm"] > 0 and sum(by_package.values()) <= task["host_profile"]["wall_s"] * 1.05, name
     cache, steer, generate = (result["tasks"][n]["answer"] for n in ("cache", "steer", "generate"))
     assert cache["xmix_lens"] == pytest.approx(cache["transformer_lens"], rel=1e-4)
     assert steer["xmix_lens"] == pytest.approx(steer["transformer_lens"], rel=1e-4)

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from . import attention_points, computed_points, hook_points
@@ -54,17 +55,21 @@ class Rows(NamedTuple):
     def of(cls, tokens: torch.Tensor, mask: torch.Tensor, d_vocab: int) -> "Rows":
         if tokens.dim() != 2 or tokens.shape[1] == 0:
             raise ValueError(f"tokens must be [batch, pos] with pos >= 1, got {list(tokens.shape)}")
-        if int(tokens.max()) >= d_vocab or int(tokens.min()) < 0:
-            raise ValueError(f"token ids must lie in [0, {d_vocab}); got {int(tokens.min())}..{int(tokens.max())}")
-        real = mask != 0
-        empty = (~real.any(1)).nonzero().flatten()
-        if empty.numel():
-            raise ValueError(f"row {int(empty[0])}: the attention mask marks no real token; vLLM runs no request "
-                             f"of no tokens: drop the row, or mark at least one of its tokens 1")
-        # whole-batch tensor ops, not a loop of them per row (1,000 rows: 21 ms of host time, docs/benchmarks.md)
-        lengths = real.sum(1).tolist()
-        places = list(real.nonzero()[:, 1].split(lengths))
-        flat = tokens[real].tolist()
+        # numpy on the host, not torch: torch's ops on host tensors of a call's size took 5-13 ms each
+        # in the engine's process on the H100's host (Rows.of was 66 ms of a 1,000-row call's host
+        # profile: bench/results/2026-12-07-gpu-research-2.8b-h100-prompt-logprobs-baseline.json)
+        on_host = mask.detach().cpu()
+        on_host = on_host.float() if on_host.dtype == torch.bfloat16 else on_host  # numpy has no bfloat16
+        ids, real = tokens.detach().cpu().numpy(), on_host.numpy() != 0
+        if ids.max() >= d_vocab or ids.min() < 0:
+            raise ValueError(f"token ids must lie in [0, {d_vocab}); got {int(ids.min())}..{int(ids.max())}")
+        lengths = real.sum(1)
+        if not lengths.all():
+            raise ValueError(f"row {int(np.flatnonzero(lengths == 0)[0])}: the attention mask marks no real token; vLLM "
+                             f"runs no request of no tokens: drop the row, or mark at least one of its tokens 1")
+        lengths = lengths.tolist()
+        places = list(torch.from_numpy(np.nonzero(real)[1]).split(lengths))
+        flat = ids[real].tolist()
         starts = [0] + list(itertools.accumulate(lengths))
         rows = [flat[a:b] for a, b in zip(starts, starts[1:])]
         return cls(tokens, mask, rows, places)

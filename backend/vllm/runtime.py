@@ -93,6 +93,34 @@ class OpTokens:
     padded_pos: torch.Tensor  # [n] int32 on the device
 
 
+class HostStaging:
+    """Small host arrays a step sends to the device, through one pinned buffer kept between steps
+    (on the CPU the array is already where the ops run). A pinned tensor made per step is a
+    cudaHostAlloc: 2 ms each on the H100's host, 24 ms of a 1,000-row call's host profile
+    (bench/results/2026-12-07-gpu-research-2.8b-h100-prompt-logprobs-baseline.json). The buffer is
+    written only once the copy of the step before has left it, and made again, twice as large,
+    when a step needs more (torch keeps the old one until its copy is done)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.buffer = torch.empty(0, dtype=torch.int32)
+        self.copied = torch.cuda.Event() if device.type == "cuda" else None
+
+    def to_device(self, array: np.ndarray) -> torch.Tensor:
+        """`array` (int32) on the device, by a non-blocking copy."""
+        if self.copied is None:
+            return torch.from_numpy(array)
+        if array.size > self.buffer.numel():
+            self.buffer = torch.empty(max(array.size, 2 * self.buffer.numel()), dtype=torch.int32, pin_memory=True)
+        else:
+            self.copied.synchronize()
+        host = self.buffer[:array.size].view(array.shape)
+        host.numpy()[...] = array
+        on_device = host.to(self.device, non_blocking=True)
+        self.copied.record()
+        return on_device
+
+
 @dataclass
 class PendingRead:
     """A read of a step on its way to the host (a non-blocking copy into pinned memory), put into
@@ -166,6 +194,7 @@ class SiteRuntime:
         self._next_pass_id = 0
         self._pending: list[PendingRead] = []
         self._reads_home = torch.cuda.Event() if device.type == "cuda" else None  # after the last pending copy
+        self._op_staging = HostStaging(device)  # each step's pass op tokens on their way to the device
 
     # --- what the driver calls (between steps) ---------------------------------------------------
     def install_app(self, name: str, ops_by_hook_point: dict[str, list[LoweredOp]],
@@ -413,7 +442,7 @@ class SiteRuntime:
         bases = (len(self.places) + np.cumsum([0] + lengths[:-1])).tolist()
         p = Pass(self._next_pass_id, len(places), by_site[0], by_site[1] if decode else None,
                  [c + n for c, n in zip(contexts, lengths)], bases, list(contexts))
-        self.places = torch.cat([self.places, *(torch.as_tensor(row, dtype=torch.long) for row in places)])
+        self.places = torch.cat([self.places, *places])
         self._next_pass_id += 1
         for _, phase in p.phases():
             for site, site_ops in phase.ops.items():
@@ -486,12 +515,13 @@ class SiteRuntime:
         n_tokens = positions.shape[0]
         if len(per_token) < n_tokens:  # a padded batch's trailing tokens belong to no request
             per_token = np.concatenate([per_token, np.tile(np.array(nobody), (n_tokens - len(per_token), 1))])
-        pass_id, row, prompt_len, base, context = torch.from_numpy(np.ascontiguousarray(per_token.T))
-        positions = adapter.host_positions(self.model_runner, positions)
+        # numpy, as in _op_tokens: torch's ops on host tensors of a prefill step's size cost milliseconds
+        pass_id, row, prompt_len, base, context = np.ascontiguousarray(per_token.T)
+        positions = adapter.host_positions(self.model_runner, positions).numpy()
         decode, in_context = positions >= prompt_len, positions < context
-        pass_id = torch.where(in_context, -1, pass_id)  # the cache's past: no op sees it
-        padded = self.places[torch.where(decode | in_context, 0, base + positions - context)]
-        self.set_step(StepTokens(pass_id, row, decode, padded))
+        pass_id = np.where(in_context, -1, pass_id)  # the cache's past: no op sees it
+        padded = self.places.numpy()[np.where(decode | in_context, 0, base + positions - context)]
+        self.set_step(StepTokens(*(torch.from_numpy(a) for a in (pass_id, row, decode, padded))))
 
     def set_step(self, step: StepTokens) -> None:
         """The coming step's tokens (begin_step makes them from vLLM's batch): the last step's reads
@@ -521,10 +551,7 @@ class SiteRuntime:
                             parts.append(np.stack([tokens, row * phase.padded_len + pos, row, pos]).astype(np.int32))
         if not parts:
             return {}
-        packed = torch.from_numpy(np.concatenate(parts, axis=1))
-        if self.device.type == "cuda":
-            packed = packed.pin_memory()
-        packed = packed.to(self.device, non_blocking=True)
+        packed = self._op_staging.to_device(np.concatenate(parts, axis=1))
         out, at = {}, 0
         for key, tokens in chosen:
             n = tokens.numel()

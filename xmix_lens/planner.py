@@ -55,7 +55,7 @@ class Rows(NamedTuple):
     def of(cls, tokens: torch.Tensor, mask: torch.Tensor, d_vocab: int) -> "Rows":
         if tokens.dim() != 2 or tokens.shape[1] == 0:
             raise ValueError(f"tokens must be [batch, pos] with pos >= 1, got {list(tokens.shape)}")
-        # numpy on the host, not torch: torch's ops on host tensors of a call's size took 5-13 ms each
+        # numpy on the host, not torch: torch's ops on host tensors of a call's size took about 5 ms each
         # in the engine's process on the H100's host (Rows.of was 66 ms of a 1,000-row call's host
         # profile: bench/results/2026-12-07-gpu-research-2.8b-h100-prompt-logprobs-baseline.json)
         on_host = mask.detach().cpu()

@@ -21,6 +21,13 @@ def test_empty_input(usable):
         usable.to_tokens([])
 
 
+def test_token_tensor_without_rows_or_positions(usable):
+    for empty in (torch.zeros(0, 4, dtype=torch.long), torch.zeros(2, 0, dtype=torch.long)):
+        with pytest.raises(ValueError, match=rf"tokens must be \[batch, pos\] with batch >= 1 and pos >= 1, "
+                                             rf"got \[{empty.shape[0]}, {empty.shape[1]}\]"):
+            usable(empty)
+
+
 def test_none_input(usable):
     with pytest.raises(TypeError, match=r"input is None; pass a string, a list of strings"):
         usable(None)

@@ -24,7 +24,6 @@ the call's wall time: whether the call waits on the host or on the GPU).
 import argparse
 import cProfile
 import importlib.metadata
-import json
 import pstats
 import statistics
 import sys
@@ -157,8 +156,6 @@ def main(argv=None) -> dict:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.4)
     parser.add_argument("--profile", action="store_true", help="profile each task on xmix-lens (host, and device)")
     parser.add_argument("--tasks", default="cache,steer,generate,generate_many", help="which tasks, comma-separated")
-    parser.add_argument("--compilation-config", type=json.loads, default=None,
-                        help="vLLM's compilation_config for the engine, as JSON (e.g. its CUDA-graph sizes)")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     size = SIZES["toy" if args.toy else "full"]
@@ -168,8 +165,6 @@ def main(argv=None) -> dict:
     kwargs = {"max_model_len": 256}
     if device == "cuda":
         kwargs["gpu_memory_utilization"] = args.gpu_memory_utilization
-    if args.compilation_config is not None:
-        kwargs["compilation_config"] = args.compilation_config
     ours = HookedServedModel.from_pretrained(args.model, dtype=str(dtype).removeprefix("torch."), **kwargs)
     build = {"xmix_lens_s": time.time() - started}
     started = time.time()
